@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` (main job on the embedded default) and `make test`.
+# The venv is created on first use. On a CPU machine torch comes from the pinned CPU wheel; a GPU user
+# runs `make venv TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"` once instead.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: venv run test test-fast lint clean
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+run: venv
+	$(PY) run.py $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+lint: venv
+	$(PY) -m ruff check specsim methods analysis tests run.py benchmarks
+
+clean:
+	rm -rf $(VENV) outputs multirun
