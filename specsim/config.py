@@ -73,6 +73,9 @@ class MethodConfig:
     draft_cost_ratio: float = 0.0
     draft_fixed_ratio: float = 0.0
     draft_steps: str = "depth"  # "depth": one draft pass per tree level; "one": a single pass
+    # simulator: "ratio" prices a draft step at draft_cost_ratio·t(1); "roofline" uses the draft model's
+    # own roofline (model.draft_params, draft_n_layers, draft_hidden_size) on the same hardware
+    draft_cost: str = "ratio"
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # drafter-specific knobs (gamma for vanilla, ngram sizes for lookup, heads for medusa, …)
     params: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +83,7 @@ class MethodConfig:
 
 @dataclass
 class TreeConfig:
+    name: str = "chain"  # preset name (tree=...), reported in metrics.json; kind says how it is built
     kind: TreeKind = TreeKind.chain
     gamma: int = 4  # chain length
     k: int = 2  # kary branching
@@ -212,6 +216,7 @@ def _validate_method(m: MethodConfig) -> None:
     _check(m.draft_cost_ratio >= 0, "method.draft_cost_ratio", f"must be >= 0, got {m.draft_cost_ratio}")
     _check(m.draft_fixed_ratio >= 0, "method.draft_fixed_ratio", f"must be >= 0, got {m.draft_fixed_ratio}")
     _choice(m.draft_steps, "method.draft_steps", ("depth", "one"))
+    _choice(m.draft_cost, "method.draft_cost", ("ratio", "roofline"))
     _check(
         m.lossless == (m.verifier not in LOSSY_VERIFIERS),
         "method.lossless",

@@ -1,0 +1,72 @@
+"""Draft-tree shapes of every ``tree`` preset, built for the simulator.
+
+chain (Leviathan et al. 2023), k-ary, Medusa paths (Cai et al. 2024), Sequoia (Chen et al. 2024: DP-optimal
+for the positional vector, (budget, depth) chosen from t(n) and the draft time), dynamic (EAGLE-2, Li et al.
+2024b: approximated, see ``build_tree``), none (plain decoding). Notation: p = target, q = draft.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specsim import sequoia
+from specsim.acceptance import AcceptanceLike, PositionalAcceptance, as_acceptance
+from specsim.config import TreeConfig, TreeKind
+from specsim.cost import CostModel
+from specsim.tree import Tree
+
+DERIVED_WIDTH = 32  # ranks kept when a Sequoia vector is derived from an α model ((1 − α)^32 is negligible)
+
+
+def acceptance_vector(acceptance: AcceptanceLike, width: int | None = None) -> np.ndarray:
+    """Sequoia's ``[0, p_1, …, p_W, p_none]`` for any acceptance model. A measured vector is used as is
+    (cut to ``width`` ranks if given). For α models the vector is derived at depth 1: p_i = α(1 − α)^(i−1)
+    (sequential trials, see specsim.acceptance) — exact for i.i.d. α, optimistic for deeper levels of a
+    decaying α_d since the DP assumes one vector at every depth."""
+    model = as_acceptance(acceptance)
+    if isinstance(model, PositionalAcceptance):
+        return model.positional_vector(width)
+    return model.positional_vector(width or DERIVED_WIDTH)
+
+
+def sequoia_choice(
+    tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel
+) -> sequoia.SequoiaChoice:
+    """Sequoia's hardware-aware selection over ``tree_cfg.budgets`` and depths <= ``tree_cfg.max_depth``:
+    target time t(budget) from the cost model (roofline or measured), draft time per step from the
+    method (a single-pass drafter's cost is a constant added to every target time instead). Selection
+    charges d draft steps for d levels (the reference) unless ``tree_cfg.depth_minus_one``; the
+    prediction of the chosen tree (specsim.predict) then charges one step per level below the root."""
+    budgets = [int(b) for b in tree_cfg.budgets]
+    per_step, constant = cost.draft.per_depth(cost.ar_time)
+    target_times = np.asarray(cost.verify_time(budgets), dtype=float) + constant  # (K,)
+    return sequoia.select(
+        acceptance_vector(acceptance), tree_cfg.max_depth, budgets, target_times.tolist(), per_step,
+        depth_minus_one=tree_cfg.depth_minus_one, baseline_time=cost.ar_time,
+    )
+
+
+def build_tree(tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel) -> Tree:
+    """The tree a ``tree`` preset describes.
+
+    ``dynamic`` (EAGLE-2) re-ranks its tree per context from draft confidences, which the simulator does
+    not have; it is approximated by the best static tree of total_tokens + 1 nodes within depth + 1
+    levels and top_k children per node (an upper bound on what a context-free tree of that size gets).
+    """
+    kind = TreeKind(tree_cfg.kind)
+    if kind == TreeKind.none:
+        return Tree((-1,))
+    if kind == TreeKind.chain:
+        return Tree.chain(tree_cfg.gamma)
+    if kind == TreeKind.kary:
+        return Tree.kary(tree_cfg.k, tree_cfg.depth)
+    if kind == TreeKind.medusa:
+        return Tree.from_paths(tree_cfg.paths)
+    if kind == TreeKind.sequoia:
+        return sequoia_choice(tree_cfg, acceptance, cost).tree
+    if kind == TreeKind.dynamic:
+        k, d = tree_cfg.top_k, tree_cfg.depth
+        capacity = d + 1 if k == 1 else (k ** (d + 1) - 1) // (k - 1)  # nodes of the full k-ary tree
+        budget = min(tree_cfg.total_tokens + 1, capacity)
+        return sequoia.optimal_tree(acceptance_vector(acceptance, k), budget, d + 1).tree
+    raise ValueError(f"tree.kind: unknown {kind!r}")
