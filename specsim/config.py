@@ -22,6 +22,9 @@ class Task(str, Enum):
     measure = "measure"
     calibrate = "calibrate"
 
+    def __str__(self) -> str:  # the value, not "Task.simulate": Hydra interpolates it into run dir names
+        return self.value
+
 
 class TreeKind(str, Enum):
     none = "none"  # autoregressive: no draft tokens
