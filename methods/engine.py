@@ -1,0 +1,261 @@
+"""KV-cached forwards of one causal LM over one sequence, with tree attention (SpecInfer/Medusa-style).
+
+The cache holds the committed prefix (``length`` tokens) followed by *pending* tree nodes. A forward appends
+nodes whose parents are pending nodes or the committed prefix; each node attends to the prefix, its pending
+ancestors and itself through a 4D **float** additive mask (1, 1, n, L+P+n), at position = parent's + 1
+(explicit position ids: without them the logits are wrong). ``commit(path)`` moves the kept nodes' KV right
+after the prefix (gpt-fast style: preallocated buffers, rolling back is moving the write position) and drops
+the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+from methods.fast_llama import FastLlama
+from methods.fast_llama import supports as supports_fast
+from methods.models import context_length
+from specsim.tree import Tree
+
+_MAX_TREE_CACHE = 64  # per-engine memo of tree masks; dynamic trees would otherwise grow it without bound
+
+
+@dataclass(frozen=True)
+class ForwardOut:
+    logits: torch.Tensor  # (n, V) float32
+    hidden: torch.Tensor | None  # (n, H) last-layer hidden states (after the final norm), when asked
+
+
+class BufferLayer(DynamicLayer):
+    """One layer's KV in preallocated (1, H, capacity, D) buffers; ``update`` writes at ``length`` and returns
+    views, so no per-step concatenation copies the whole cache."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, d = key_states.shape
+        self.kbuf = key_states.new_zeros(b, h, self.capacity, d)
+        self.vbuf = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        s, n = self.length, key_states.shape[-2]
+        if s + n > self.capacity:
+            self._grow(s + n)
+        self.kbuf[:, :, s : s + n] = key_states
+        self.vbuf[:, :, s : s + n] = value_states
+        self.length = s + n
+        self.keys, self.values = self.kbuf[:, :, : s + n], self.vbuf[:, :, : s + n]
+        return self.keys, self.values
+
+    def _grow(self, needed: int) -> None:
+        cap = max(needed, 2 * self.capacity)
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], cap, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = cap
+
+    def keep(self, start: int, index: torch.Tensor | None, count: int) -> None:
+        """Keep ``count`` slots after ``start``: slots start+index (ascending) move to start..start+count."""
+        if index is not None and self.is_initialized:
+            # advanced indexing on the right makes a copy first, so overlapping source/destination is safe
+            self.kbuf[:, :, start : start + count] = self.kbuf[:, :, index]
+            self.vbuf[:, :, start : start + count] = self.vbuf[:, :, index]
+        self.length = start + count
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        assert tokens_to_remove <= 0, "transformers 5.x convention: a negative count"
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class ModelEngine:
+    """Owns the KV cache of one sequence on one model. All methods run under ``torch.inference_mode``."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int | None = None, fast: bool = True):
+        self.model = model
+        cpu_fp32_attention = torch.float32 if model.device.type == "cpu" else None
+        self.fast = FastLlama(model, cpu_fp32_attention) if fast and supports_fast(model) else None
+        self.base = model.base_model  # the decoder stack (LlamaModel, GPT2Model, GPTNeoXModel, ...)
+        self.head = model.get_output_embeddings()
+        self.context = context_length(model)
+        self.device, self.dtype = model.device, model.dtype
+        n_layers = model.config.get_text_config().num_hidden_layers
+        cap = min(capacity or self.context, self.context)
+        self.cache = Cache(layers=[BufferLayer(cap) for _ in range(n_layers)])
+        self.mask_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype  # = the attention's
+        self._neg = torch.finfo(self.mask_dtype).min
+        self._mask = torch.zeros(1, 1, 0, 0, dtype=self.mask_dtype, device=self.device)
+        self._tree_memo: dict[Tree, tuple[torch.Tensor | None, torch.Tensor, np.ndarray, int]] = {}
+        self.reset()
+
+    # ---- state ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the sequence (buffers are kept for the next one)."""
+        self.length = 0  # committed tokens in the cache
+        self._pos: list[int] = []  # position of each pending node
+        self._anc = np.zeros((0, 0), dtype=bool)  # (P, P) pending ancestor-or-self relation
+        for layer in self.cache.layers:
+            layer.reset()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pos)
+
+    def check_fits(self, n_tokens: int) -> None:
+        """Clear error (instead of an index error deep in attention) when positions would pass the context."""
+        if n_tokens > self.context:
+            raise ValueError(
+                f"sequence of {n_tokens} tokens exceeds the model's context of {self.context} positions "
+                f"({type(self.model).__name__}); shorten the prompt or lower max_new_tokens"
+            )
+
+    # ---- forwards -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, hidden: bool = False) -> ForwardOut | None:
+        """Append committed tokens ids (T,) causally; logits of the last one (and hidden of all, if asked).
+        Returns None for an empty ``ids``."""
+        assert self.pending == 0, "commit or drop pending nodes before a prefill"
+        n = int(ids.numel())
+        if n == 0:
+            return None
+        self.check_fits(self.length + n)
+        out = self.extend(ids, list(range(-1, n - 1)), hidden=hidden, last_only=True)
+        self.commit(range(n))
+        return out
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False) -> ForwardOut:
+        """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix."""
+        assert self.pending == 0, "forward_tree starts from a fully committed cache"
+        bias, depths, anc, depth = self._tree_consts(tree)
+        self.check_fits(self.length + depth + 1)
+        self._anc, self._pos = anc, (tree.depths + self.length).tolist()
+        return self._forward(tokens, bias, depths + self.length, hidden, last_only=False)
+
+    @torch.inference_mode()
+    def extend(
+        self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False
+    ) -> ForwardOut:
+        """Append pending nodes; parents[i] is a pending index (earlier, or one of these: P + j, j < i) or -1
+        for the committed prefix. Returns logits of all new nodes (or only the last)."""
+        p0, n = self.pending, len(parents)
+        anc = np.zeros((p0 + n, p0 + n), dtype=bool)
+        anc[:p0, :p0] = self._anc
+        pos = self._pos + [0] * n
+        for i, par in enumerate(parents):
+            row = p0 + i
+            if par >= 0:
+                assert par < row, f"parent {par} of new node {row} is not earlier"
+                anc[row] = anc[par]
+            anc[row, row] = True
+            pos[row] = pos[par] + 1 if par >= 0 else self.length
+        self.check_fits(max(pos[p0:]) + 1)
+        self._anc, self._pos = anc, pos
+        rows = anc[p0:]
+        bias = None if rows.all() else self._bias(rows)
+        position = torch.tensor(pos[p0:], dtype=torch.long, device=self.device)
+        return self._forward(tokens, bias, position, hidden, last_only)
+
+    def _forward(
+        self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor, hidden: bool,
+        last_only: bool,
+    ) -> ForwardOut:
+        n = int(tokens.numel())
+        start = self.length + self.pending - n  # cache slots before these nodes
+        ids = tokens.reshape(n).to(self.device)
+        if self.fast is not None:  # no mask = attend to everything (one node whose ancestors are all pending)
+            mask = None if bias is None else self._mask_view(n, start, bias)
+            h = self.fast.forward(ids, position, mask, self.cache.layers)  # (n, H)
+        else:
+            mask = self._mask_view(n, start, bias)
+            h = self.base(
+                input_ids=ids.view(1, n),
+                attention_mask=mask,
+                position_ids=position.view(1, n),
+                past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state[0]  # (n, H)
+        if bias is not None:  # the tree block of the mask becomes prefix columns later: restore zeros
+            mask[0, 0, :, self.length :].zero_()
+        logits = self.head(h[-1:] if last_only else h).float()  # (n or 1, V)
+        return ForwardOut(logits, h if hidden else None)
+
+    def _mask_view(self, n: int, start: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """(1, 1, n, start + n) additive mask: 0 on the prefix, ``bias`` over the pending columns."""
+        width = start + n
+        if self._mask.shape[2] < n or self._mask.shape[3] < width:
+            old_rows, old_cols = self._mask.shape[2:]
+            rows = max(n, old_rows)
+            cols = old_cols if width <= old_cols else max(width, 2 * old_cols, 64)  # amortised growth
+            self._mask = torch.zeros(1, 1, rows, cols, dtype=self.mask_dtype, device=self.device)
+        mask = self._mask[:, :, :n, :width]
+        if bias is not None:
+            mask[0, 0, :, self.length :] = bias
+        return mask
+
+    def _bias(self, rows: np.ndarray) -> torch.Tensor:
+        """(n, P) bool attend-matrix → additive float bias on the device."""
+        allowed = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        kw = {"dtype": self.mask_dtype, "device": self.device}
+        return torch.where(allowed, torch.zeros((), **kw), torch.full((), self._neg, **kw))
+
+    def _tree_consts(self, tree: Tree) -> tuple[torch.Tensor | None, torch.Tensor, np.ndarray, int]:
+        hit = self._tree_memo.get(tree)
+        if hit is None:
+            anc = tree.ancestor_mask
+            bias = None if anc.all() else self._bias(anc)
+            depths = torch.as_tensor(tree.depths, dtype=torch.long, device=self.device)
+            if len(self._tree_memo) >= _MAX_TREE_CACHE:
+                self._tree_memo.clear()
+            hit = self._tree_memo[tree] = (bias, depths, anc, tree.depth)
+        return hit
+
+    # ---- commit ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def commit(self, keep: Sequence[int]) -> None:
+        """Keep the pending nodes ``keep`` (ascending pending indices, e.g. the accepted root-first path) as
+        committed tokens; drop the other pending nodes."""
+        keep = list(keep)
+        count = len(keep)
+        assert all(0 <= k < self.pending for k in keep), f"keep {keep} outside pending {self.pending}"
+        assert all(a < b for a, b in zip(keep, keep[1:])), "keep must be ascending"
+        in_place = keep == list(range(count))
+        index = None if in_place else torch.tensor(keep, device=self.device) + self.length
+        for layer in self.cache.layers:
+            layer.keep(self.length, index, count)
+        self.length += count
+        self._pos, self._anc = [], np.zeros((0, 0), dtype=bool)
+
+    def drop_pending(self) -> None:
+        self.commit(())
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` committed tokens (and no pending node)."""
+        assert 0 <= length <= self.length, f"cannot truncate {self.length} tokens to {length}"
+        self.drop_pending()
+        for layer in self.cache.layers:
+            layer.length = length
+        self.length = length

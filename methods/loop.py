@@ -1,0 +1,153 @@
+"""The one decode loop of every method: propose → verify forward → accept → commit (p = target, q = draft).
+
+Contract of methods.drafter: the target's cache holds x_1..x_{t-1}; the draft's root is x_t. Each step runs
+ONE target forward over the draft tree (tree attention), a config-chosen verifier (methods.verify) picks the
+accepted path and the bonus/corrected token, the path's KV is committed and the bonus becomes the next root.
+The autoregressive baseline is the drafter proposing the root alone: same loop, same timers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from methods.drafter import Draft, DraftContext, Drafter, StepFeedback
+from methods.engine import ModelEngine
+from methods.metrics import AcceptStats
+from methods.sampling import SamplingParams, probs, sample
+from methods.verify import verify
+from specsim.config import Verifier
+from specsim.tree import Tree
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    verifier: Verifier = Verifier.greedy
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    max_new_tokens: int = 64
+    eos_token_id: int | None = None
+    verify_params: dict = field(default_factory=dict)  # e.g. typical acceptance's epsilon / delta
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]  # generated tokens (prompt excluded), cut at EOS (included) / max_new_tokens
+    accepted_lengths: list[int]  # per step: accepted drafts + 1, as verified (before EOS / length cuts)
+    stats: AcceptStats
+    n_target_forwards: int
+    time_draft_s: float  # propose + feedback
+    time_verify_s: float  # target forward + verification + commit
+    time_total_s: float  # the whole decode, prefill included
+    stop: str  # "eos" | "length"
+
+
+@torch.inference_mode()
+def decode(
+    target: ModelEngine, drafter: Drafter, prompt: torch.Tensor, opts: DecodeOptions,
+    generator: torch.Generator,
+) -> DecodeResult:
+    """Decode one prompt ((T,) long, T ≥ 1) with ``drafter`` and ``opts.verifier``."""
+    t_start = time.perf_counter()
+    prompt = prompt.detach().to("cpu", torch.long).view(-1)
+    n_prompt, max_new = prompt.numel(), opts.max_new_tokens
+    want_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+    tokens, hidden = _start(target, drafter, prompt, max_new, want_hidden)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length")
+    t, end = n_prompt, n_prompt + max_new
+    while t < end:
+        t0 = time.perf_counter()
+        draft = _propose(drafter, DraftContext(tokens[:t], hidden, generator, end - t), target.device)
+        sync()
+        t1 = time.perf_counter()
+        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden)
+        path, next_token = _verify(draft, out.logits, opts, generator)
+        target.commit(path)
+        t2 = time.perf_counter()
+        res.n_target_forwards += 1
+        res.accepted_lengths.append(len(path))
+        res.stats.record(draft.tree, path)
+        drafted = draft.tokens.tolist()
+        new = [drafted[i] for i in path[1:]] + [next_token]
+        new, stop = _cut(new, end - t, opts.eos_token_id)
+        tokens[t : t + len(new)] = torch.tensor(new, dtype=torch.long)
+        t += len(new)
+        res.time_verify_s += t2 - t1
+        if stop:
+            res.stop = stop
+            res.time_draft_s += t1 - t0
+            break
+        hidden = out.hidden[list(path)] if want_hidden else None
+        drafter.feedback(StepFeedback(draft, path, next_token))
+        sync()
+        res.time_draft_s += t1 - t0 + time.perf_counter() - t2
+    res.token_ids = tokens[n_prompt:t].tolist()
+    res.time_total_s = time.perf_counter() - t_start
+    return res
+
+
+def _start(
+    target: ModelEngine, drafter: Drafter, prompt: torch.Tensor, max_new: int, want_hidden: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reset both sides, prefill x_1..x_{t-1}; the committed-token buffer and the prefill's hidden states."""
+    n_prompt = prompt.numel()
+    assert n_prompt >= 1, "the prompt needs at least one token (the first root)"
+    target.reset()
+    target.check_fits(n_prompt + max_new)
+    tokens = torch.empty(n_prompt + max_new, dtype=torch.long)  # committed sequence, host side
+    tokens[:n_prompt] = prompt
+    pre = target.prefill(prompt[:-1], hidden=want_hidden)
+    drafter.reset(prompt)
+    return tokens, (pre.hidden if (want_hidden and pre is not None) else None)
+
+
+def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft:
+    draft = limit_depth(drafter.propose(ctx), ctx.max_new)
+    if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q)
+    return draft
+
+
+def _verify(
+    draft: Draft, logits: torch.Tensor, opts: DecodeOptions, generator: torch.Generator
+) -> tuple[tuple[int, ...], int]:
+    """Accepted root-first path and next token. The root alone needs no verifier: the next token is the
+    target's own (argmax, or a draw from the processed p), whatever the configured verifier."""
+    if draft.tree.size == 1:
+        if opts.sampling.greedy:
+            return (0,), int(logits[0].argmax())
+        return (0,), sample(probs(logits[0], opts.sampling), generator)
+    p = probs(logits, opts.sampling)  # (N, V)
+    result = verify(opts.verifier, draft, p, generator, **opts.verify_params)
+    return tuple(result.accepted), int(result.next_token)
+
+
+def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
+    """Truncate a step's tokens at the first EOS (kept) and to the room left; say why decoding stops."""
+    if eos is not None and eos in new[:room]:
+        return new[: new.index(eos) + 1], "eos"
+    if len(new) >= room:
+        return new[:room], "length"
+    return new, ""
+
+
+def limit_depth(draft: Draft, max_depth: int) -> Draft:
+    """The draft without nodes deeper than ``max_depth`` (drafters should already respect ctx.max_new; this
+    keeps positions inside the context whatever they do)."""
+    tree = draft.tree
+    if tree.size <= max_depth + 1 or tree.depth <= max_depth:  # size first: Tree.depth is not memoised
+        return draft
+    keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
+    idx = torch.tensor(keep, device=draft.tokens.device)
+    return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx])
+
+
+def subtree(tree: Tree, keep: list[int]) -> Tree:
+    """The tree restricted to the ascending node list ``keep`` (closed under ancestors: node 0 and every kept
+    node's parent are kept), nodes renumbered in order, ranks unchanged."""
+    new_index = {old: new for new, old in enumerate(keep)}
+    assert keep and keep[0] == 0, "the root must be kept"
+    parents = [-1] + [new_index[tree.parents[i]] for i in keep[1:]]
+    return Tree.from_parents(parents, [tree.ranks[i] for i in keep])

@@ -1,0 +1,155 @@
+"""task=measure: real speculative decoding of a workload, beside the autoregressive baseline and simulator.
+
+Loads target p / draft q and the workload's prompts, builds the run's tree (the simulator's own construction,
+so the prediction is for exactly the tree decoded with), warms up, then for every prompt decodes with the
+autoregressive baseline and with the method through the same loop and timers (interleaved, so slow drifts of
+a shared machine hit both). Metrics follow DESIGN.md's contract; tau counts the bonus token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from methods.drafters.autoregressive import Autoregressive
+from methods.engine import ModelEngine
+from methods.loop import DecodeOptions, DecodeResult, decode
+from methods.metrics import AcceptStats
+from methods.models import load_models
+from methods.registry import build_drafter
+from methods.sampling import SamplingParams
+from methods.workloads import load_prompts
+from specsim.config import RunConfig, TreeKind, Verifier
+from specsim.predict import simulate
+from specsim.tree import Tree
+
+
+@dataclass(frozen=True)
+class RunResult:
+    metrics: dict[str, Any]
+    samples: list[dict[str, Any]]
+
+
+@dataclass
+class _Totals:
+    tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def add(self, r: DecodeResult) -> None:
+        self.tokens += len(r.token_ids)
+        self.seconds += r.time_total_s
+        self.forwards += r.n_target_forwards
+        self.draft_s += r.time_draft_s
+        self.verify_s += r.time_verify_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_tree(cfg: RunConfig) -> Tree:
+    """The tree of this run: the simulator's construction of ``cfg.tree`` (Sequoia's DP included). Dynamic
+    trees (EAGLE-2) are re-shaped per step by their drafter; this static one is their budget/approximation."""
+    p = simulate(cfg)
+    return Tree.from_parents(p.tree_parents, p.tree_ranks)
+
+
+def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
+    models = load_models(cfg.model, cfg.device, cfg.model.dtype)
+    w = cfg.workload
+    sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
+    prompts = load_prompts(w, models.tokenizer, cfg.seed)
+    tree, sequoia = None, {}
+    if TreeKind(cfg.tree.kind) == TreeKind.sequoia:  # the DP-optimal tree for this drafter's measured vector
+        from methods.profiles import (
+            ensure_profile,
+            prediction_metrics,
+            profile_path,
+            sequoia_config,
+            sequoia_tree_for,
+        )
+
+        profile = ensure_profile(cfg, models, show_progress=show_progress)
+        tree, here, preset = sequoia_tree_for(cfg, profile)
+        sequoia = {**prediction_metrics(cfg, here, preset), "profile_path": str(profile_path(cfg)),
+                   "profile_acceptance_vector": list(profile.acceptance_vector)}
+        cfg = sequoia_config(cfg, profile)  # measured vector; Sequoia's verifier (w/o replacement) at T > 0
+        sequoia["verifier_used"] = cfg.method.verifier.value
+    if tree is None:
+        tree = run_tree(cfg)
+    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
+    baseline = Autoregressive()
+    target = ModelEngine(models.target)
+    generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
+    eos = models.tokenizer.eos_token_id
+    opts = DecodeOptions(Verifier(cfg.method.verifier), sampling, w.max_new_tokens, eos)
+    # the baseline proposes the root alone: no verifier runs, the next token is the target's own
+    base_opts = DecodeOptions(Verifier.greedy, sampling, w.max_new_tokens, eos)
+    ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
+    for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: keep them out of the timings
+        decode(target, baseline, ids[0], base_opts, generator)
+        decode(target, drafter, ids[0], opts, generator)
+
+    stats, method_t, base_t = AcceptStats(), _Totals(), _Totals()
+    samples = []
+    for prompt, x in zip(tqdm(prompts, desc=f"measure {cfg.method.name}", disable=not show_progress), ids):
+        ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
+        res = decode(target, drafter, x, opts, generator)
+        base_t.add(ref)
+        method_t.add(res)
+        stats.merge(res.stats)
+        samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
+    metrics = _metrics(stats, method_t, base_t, samples)
+    prediction = simulate(cfg, tree=tree)
+    metrics.update({
+        "predicted_tau": prediction.predicted_tau,
+        "predicted_speedup": prediction.predicted_speedup,
+        "tree_size": tree.size,
+        "tree_depth": tree.depth,
+        "lossless": cfg.method.lossless,
+        "dtype": str(models.dtype).removeprefix("torch."),
+        "device": str(models.device),
+    })
+    metrics.update(sequoia)
+    return RunResult(metrics, samples)
+
+
+def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> dict[str, Any]:
+    return {
+        "prompt_id": prompt_id,
+        "token_ids": res.token_ids,
+        "text": tokenizer.decode(res.token_ids, skip_special_tokens=True),
+        "accepted_lengths": res.accepted_lengths,
+        "equal_to_baseline": res.token_ids == ref.token_ids,
+        "stop": res.stop,
+    }
+
+
+def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[dict]) -> dict[str, Any]:
+    """DESIGN.md's measured quantities. greedy_equal_rate: share of prompts whose output equals the
+    baseline's (1.0 expected for lossless methods at temperature 0 in float32)."""
+    return {
+        "tau": stats.tau,
+        "tokens_per_s": method.tokens_per_s,
+        "baseline_tokens_per_s": base.tokens_per_s,
+        "speedup": method.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+        "accept_hist": stats.hist,
+        "acceptance_by_depth": stats.by_depth(),
+        "acceptance_by_rank": stats.by_rank(),
+        "n_target_forwards": method.forwards,
+        "baseline_n_target_forwards": base.forwards,
+        "n_tokens": method.tokens,
+        "baseline_n_tokens": base.tokens,
+        "time_draft_s": method.draft_s,
+        "time_verify_s": method.verify_s,
+        "time_total_s": method.seconds,
+        "baseline_time_s": base.seconds,
+        "greedy_equal_rate": sum(s["equal_to_baseline"] for s in samples) / len(samples),
+        "num_prompts": len(samples),
+    }

@@ -1,0 +1,34 @@
+"""``method.drafter`` name → drafter class. One line per method; classes are imported only when asked for,
+so importing the registry is cheap. Every class has ``from_config(method, tree, models, sampling)`` and
+implements methods.drafter.Drafter; tests iterate over ``names()`` (greedy equivalence, losslessness)."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from types import MappingProxyType
+
+from specsim.config import MethodConfig
+from specsim.tree import Tree
+
+DRAFTERS = MappingProxyType({
+    "autoregressive": "methods.drafters.autoregressive:Autoregressive",
+    "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
+    "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
+    "medusa": "methods.drafters.medusa:MedusaDrafter",
+})
+
+
+def names() -> tuple[str, ...]:
+    return tuple(DRAFTERS)
+
+
+def drafter_class(name: str) -> type:
+    if name not in DRAFTERS:
+        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(sorted(DRAFTERS))}")
+    module, attr = DRAFTERS[name].split(":")
+    return getattr(import_module(module), attr)
+
+
+def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling):
+    """The drafter ``method.drafter`` names, built for this run."""
+    return drafter_class(method.drafter).from_config(method, tree, models, sampling)

@@ -1,0 +1,160 @@
+"""The engine against plain HF forwards (fp32): tree attention in one forward equals one full forward per
+node path; commit leaves the cache a fresh prefill of the accepted sequence would; the lean Llama forward
+equals HF's; contexts are enforced with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from methods.engine import ModelEngine
+from specsim.tree import Tree
+
+ATOL = 1e-4
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """Next-token logits after ``ids`` from a plain HF forward without any cache."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def random_tree(n: int, seed: int) -> Tree:
+    g = torch.Generator().manual_seed(seed)
+    return Tree.from_parents([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["lean", "hf"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_forward_equals_path_forwards(tiny_target, fast, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 300, (13,), generator=g).tolist()
+    tree = random_tree(12, seed)
+    tokens = torch.randint(0, 300, (tree.size,), generator=g)
+    engine = ModelEngine(tiny_target, fast=fast)
+    assert (engine.fast is not None) == fast
+    engine.prefill(torch.tensor(prompt[:-1]))
+    tokens[0] = prompt[-1]
+    out = engine.forward_tree(tokens, tree, hidden=True)
+    assert out.logits.shape == (tree.size, tiny_target.config.vocab_size)
+    assert out.hidden.shape == (tree.size, tiny_target.config.hidden_size)
+    for node in range(tree.size):
+        path = [int(tokens[i]) for i in tree.path_to(node)[1:]]
+        ref = reference_logits(tiny_target, prompt + path)
+        torch.testing.assert_close(out.logits[node], ref, atol=ATOL, rtol=0)
+
+
+def test_hidden_states_are_hf_last_hidden(tiny_target):
+    ids = torch.arange(5, 25)
+    engine = ModelEngine(tiny_target)
+    out = engine.prefill(ids, hidden=True)
+    with torch.no_grad():
+        ref = tiny_target(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(out.hidden, ref, atol=ATOL, rtol=0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(2, 10), seed=st.integers(0, 10_000), pick=st.integers(0, 10_000))
+def test_commit_equals_fresh_prefill(tiny_target, n, seed, pick):
+    """After a tree forward + commit(path), the KV cache and the next logits are those of prefilling
+    prompt + path from scratch."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 300, (9,), generator=g)
+    tree = random_tree(n, seed)
+    tokens = torch.randint(0, 300, (n,), generator=g)
+    tokens[0] = prompt[-1]
+    path = tree.path_to(pick % n)
+    engine = ModelEngine(tiny_target)
+    engine.prefill(prompt[:-1])
+    engine.forward_tree(tokens, tree)
+    engine.commit(path)
+    fresh = ModelEngine(tiny_target)
+    fresh.prefill(torch.cat([prompt[:-1], tokens[list(path)]]))
+    assert engine.length == fresh.length == 8 + len(path)
+    for a, b in zip(engine.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(a.kbuf[:, :, : a.length], b.kbuf[:, :, : b.length], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a.vbuf[:, :, : a.length], b.vbuf[:, :, : b.length], atol=ATOL, rtol=0)
+    nxt = torch.tensor([7])
+    chain0 = Tree.chain(0)
+    after, fresh_after = engine.forward_tree(nxt, chain0), fresh.forward_tree(nxt, chain0)
+    torch.testing.assert_close(after.logits, fresh_after.logits, atol=ATOL, rtol=0)
+
+
+def test_extend_by_levels_equals_one_tree_forward(tiny_target):
+    """A draft model builds its tree level by level (pending nodes); the logits are the one-forward ones."""
+    tree = Tree.kary(2, 3)
+    tokens = torch.arange(40, 40 + tree.size)
+    prompt = torch.arange(10, 20)
+    one = ModelEngine(tiny_target)
+    one.prefill(prompt)
+    want = one.forward_tree(tokens, tree).logits
+    levels = ModelEngine(tiny_target)
+    levels.prefill(prompt)
+    got = torch.empty_like(want)
+    for d in range(tree.depth + 1):
+        nodes = [i for i in range(tree.size) if tree.depths[i] == d]
+        out = levels.extend(tokens[nodes], [tree.parents[i] for i in nodes])  # pending index = node id
+        got[nodes] = out.logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    levels.commit(tree.path_to(tree.size - 1))
+    assert levels.length == 10 + tree.depth + 1 and levels.pending == 0
+
+
+def test_buffer_grows_beyond_initial_capacity(tiny_target):
+    engine = ModelEngine(tiny_target, capacity=8)
+    engine.prefill(torch.arange(30))
+    out = engine.forward_tree(torch.tensor([3, 4]), Tree.chain(1))
+    ref = reference_logits(tiny_target, list(range(30)) + [3, 4])
+    torch.testing.assert_close(out.logits[1], ref, atol=ATOL, rtol=0)
+
+
+def test_context_overflow_is_a_clear_error(tiny_target):
+    engine = ModelEngine(tiny_target)
+    ctx = tiny_target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine.prefill(torch.zeros(ctx + 1, dtype=torch.long))
+    engine.prefill(torch.zeros(ctx - 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine.forward_tree(torch.zeros(4, dtype=torch.long), Tree.chain(3))
+
+
+def test_lean_forward_leaves_hf_model_intact(tiny_target):
+    """The fused weights are views of the model's own storage: HF's forward still gives the same logits."""
+    ids = list(range(50, 70))
+    before = reference_logits(tiny_target, ids)
+    engine = ModelEngine(tiny_target, fast=True)
+    assert engine.fast is not None
+    out = engine.prefill(torch.tensor(ids))
+    torch.testing.assert_close(reference_logits(tiny_target, ids), before, atol=0, rtol=0)
+    torch.testing.assert_close(out.logits[0], before, atol=ATOL, rtol=0)
+
+
+def test_lean_bf16_forward_is_close_to_hf(tiny_target):
+    """bf16 on CPU: projections in bf16, attention in fp32 (faster there, and closer to exact): the logits
+    stay within bf16 rounding of HF's own bf16 forward."""
+    import copy
+
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    ids = torch.arange(30, 60)
+    lean, hf = ModelEngine(model, fast=True), ModelEngine(model, fast=False)
+    assert lean.fast is not None and lean.fast.attn_dtype == torch.float32
+    a, b = lean.prefill(ids).logits, hf.prefill(ids).logits
+    scale = b.abs().max()
+    assert (a - b).abs().max() < 0.05 * scale
+
+
+def test_in_place_weight_loads_reach_every_engine(tiny_target):
+    """Fusing is idempotent and shares storage: a later load_state_dict (e.g. Medusa-2's jointly trained
+    target) changes what every engine on the model computes."""
+    import copy
+
+    model = copy.deepcopy(tiny_target)
+    first, second = ModelEngine(model), ModelEngine(model)
+    other = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(other)
+    ids = list(range(70, 90))
+    want = reference_logits(model, ids)
+    for engine in (first, second):
+        torch.testing.assert_close(engine.prefill(torch.tensor(ids)).logits[0], want, atol=ATOL, rtol=0)

@@ -1,0 +1,166 @@
+"""Greedy equivalence (issue 3): every registered drafter, with every verifier that applies, emits exactly
+the target's greedy autoregressive tokens at temperature 0 (fp32) — over prompts, lengths, max_new_tokens
+boundaries inside an accepted block, and EOS inside an accepted block. Parametrized over methods.registry, so
+a new method is covered by adding its registry line (and, if it needs any, its test params below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods.drafters.autoregressive import Autoregressive
+from methods.engine import ModelEngine
+from methods.loop import DecodeOptions, decode
+from methods.models import Models
+from methods.registry import build_drafter, names
+from methods.sampling import SamplingParams
+from specsim.config import MethodConfig, Verifier
+from specsim.tree import Tree
+
+GREEDY = SamplingParams(temperature=0.0)
+TREES = {
+    "chain3": Tree.chain(3),
+    "kary2x2": Tree.kary(2, 2),
+    "irregular": Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]),
+}
+# drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
+# verifiers apply); every drafter gets the verifiers for deterministic drafts
+TREE_DRAFTERS = {"draft_model", "medusa"}
+Q_DRAFTERS = {"draft_model"}
+TEST_PARAMS = {"medusa": {"heads": "random", "num_heads": 4}}
+MULTI_TOKEN = {"draft_model", "prompt_lookup"}  # must produce multi-token blocks in the EOS test
+LENGTHS = (1, 6, 24)  # every boundary inside a block: test_max_new_tokens_cuts_a_fully_accepted_block
+
+
+def cases() -> list[tuple[str, str, Verifier]]:
+    out = []
+    for name in names():
+        trees = TREES if name in TREE_DRAFTERS else {"chain3": TREES["chain3"]}
+        verifiers = [Verifier.greedy, Verifier.deterministic]
+        if name in Q_DRAFTERS:
+            verifiers += [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
+        for tree_name, tree in trees.items():
+            for v in verifiers:
+                if v != Verifier.chain or tree.width <= 1:
+                    out.append((name, tree_name, v))
+    return out
+
+
+def method(name: str, verifier: Verifier) -> MethodConfig:
+    return MethodConfig(name=name, drafter=name, verifier=verifier, params=dict(TEST_PARAMS.get(name, {})))
+
+
+def prompts() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    motif = torch.randint(0, 256, (6,), generator=g)
+    return {
+        "one_token": torch.tensor([65]),
+        "random": torch.randint(0, 256, (21,), generator=g),
+        "repetitive": torch.cat([motif, motif, motif[:4], motif]),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models) -> dict[str, list[int]]:
+    """Greedy autoregressive continuation of every prompt (max(LENGTHS) tokens)."""
+    engine = ModelEngine(tiny_models.target)
+    opts = DecodeOptions(Verifier.greedy, GREEDY, max(LENGTHS))
+    g = torch.Generator().manual_seed(0)
+    return {k: decode(engine, Autoregressive(), p, opts, g).token_ids for k, p in prompts().items()}
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_models) -> Models:
+    """The target as its own draft: every draft is accepted, blocks are as long as the tree is deep."""
+    m = tiny_models
+    return Models(m.target, m.target, m.tokenizer, m.device, m.dtype)
+
+
+@pytest.mark.parametrize("name,tree_name,verifier", cases())
+def test_greedy_equals_autoregressive(tiny_models, reference, name, tree_name, verifier):
+    drafter = build_drafter(method(name, verifier), TREES[tree_name], tiny_models, GREEDY)
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(1)
+    for key, prompt in prompts().items():
+        for n in LENGTHS:
+            res = decode(engine, drafter, prompt, DecodeOptions(verifier, GREEDY, n), g)
+            assert res.token_ids == reference[key][:n], (key, n, res.accepted_lengths)
+            assert res.n_target_forwards == len(res.accepted_lengths) <= n
+            assert res.stop == "length"
+
+
+def inside_first_occurrences(tokens: list[int], accepted_lengths: list[int]) -> list[int]:
+    """Positions j that are not the last of their step's block and whose token first occurs at j."""
+    inside, start = [], 0
+    for length in accepted_lengths:
+        inside += [j for j in range(start, start + length - 1) if tokens[j] not in tokens[:j]]
+        start += length
+    return inside
+
+
+@pytest.mark.parametrize("name", names())
+def test_eos_inside_an_accepted_block(tiny_models, self_draft, name):
+    """EOS = a token first emitted inside a multi-token block: decoding stops right after it. Prompts are the
+    "random" prompt extended by k tokens of its own greedy continuation (same continuation, shifted), so
+    that repeats in it give n-gram drafts something to copy."""
+    models = self_draft if name == "draft_model" else tiny_models
+    drafter = build_drafter(method(name, Verifier.greedy), TREES["chain3"], models, GREEDY)
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(2)
+    n = 16
+    base = prompts()["random"]
+    cont = decode(engine, Autoregressive(), base, DecodeOptions(max_new_tokens=64), g).token_ids
+    for k in range(0, 48, 2) if name in MULTI_TOKEN else range(0, 8, 2):
+        prompt = torch.cat([base, torch.tensor(cont[:k], dtype=torch.long)])
+        free = decode(engine, drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, n), g)
+        assert free.token_ids == cont[k : k + n]
+        inside = inside_first_occurrences(free.token_ids, free.accepted_lengths)
+        if inside:
+            break
+    if name in MULTI_TOKEN:
+        assert inside
+    ref = free.token_ids
+    firsts = [j for j in range(n) if ref[j] not in ref[:j]]
+    for j in (inside or firsts)[:3]:
+        opts = DecodeOptions(Verifier.greedy, GREEDY, n, eos_token_id=ref[j])
+        res = decode(engine, drafter, prompt, opts, g)
+        assert res.token_ids == ref[: j + 1] and res.stop == "eos", (j, res.token_ids)
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_max_new_tokens_cuts_a_fully_accepted_block(self_draft, reference, tree_name):
+    """Every draft accepted (the target drafts for itself): lengths that end mid-block are cut exactly."""
+    tree = TREES[tree_name]
+    drafter = build_drafter(method("draft_model", Verifier.greedy), tree, self_draft, GREEDY)
+    engine = ModelEngine(self_draft.target)
+    g = torch.Generator().manual_seed(3)
+    for n in range(1, 2 * (tree.depth + 1) + 2):
+        res = decode(engine, drafter, prompts()["random"], DecodeOptions(Verifier.greedy, GREEDY, n), g)
+        assert res.token_ids == reference["random"][:n]
+        full = [tree.depth + 1] * (len(res.accepted_lengths) - 1)
+        assert res.accepted_lengths[:-1] == full  # everything accepted before the last step
+
+
+def test_unknown_drafter_lists_the_registered_ones(tiny_models):
+    with pytest.raises(KeyError, match="registered: .*draft_model"):
+        build_drafter(MethodConfig(drafter="no_such_drafter"), None, tiny_models, GREEDY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", names())
+def test_greedy_equals_autoregressive_on_cuda(tiny_models, name):
+    """The same loop on a CUDA device (fp32): drafts, caches, masks and generators all live there."""
+    import copy
+
+    m = tiny_models
+    target, draft = copy.deepcopy(m.target).cuda(), copy.deepcopy(m.draft).cuda()
+    models = Models(target, draft, m.tokenizer, torch.device("cuda"), m.dtype)
+    tree = TREES["kary2x2" if name in TREE_DRAFTERS else "chain3"]
+    drafter = build_drafter(method(name, Verifier.greedy), tree, models, GREEDY)
+    engine = ModelEngine(target)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    opts = DecodeOptions(Verifier.greedy, GREEDY, max(LENGTHS))
+    for prompt in prompts().values():
+        ref = decode(engine, Autoregressive(), prompt, opts, g)
+        assert decode(engine, drafter, prompt, opts, g).token_ids == ref.token_ids

@@ -1,0 +1,57 @@
+"""task=measure on model=random_tiny: DESIGN.md's metrics contract, the baseline in the same run, samples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from methods.measure import measure
+
+SMALL = ("task=measure", "model=random_tiny", "workload.num_prompts=2", "workload.prompt_tokens=24",
+         "workload.max_new_tokens=10", "warmup=1")
+CONTRACT = ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "accept_hist", "acceptance_by_depth",
+            "acceptance_by_rank", "n_target_forwards", "time_draft_s", "time_verify_s", "predicted_tau",
+            "predicted_speedup", "greedy_equal_rate", "lossless", "dtype", "device")
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "vanilla", "prompt_lookup"])
+def test_measure_greedy_contract(run_config, method):
+    cfg = run_config(*SMALL, f"method={method}")
+    result = measure(cfg, show_progress=False)
+    m = result.metrics
+    assert set(CONTRACT) <= set(m)
+    assert m["greedy_equal_rate"] == 1.0  # fp32, temperature 0: every lossless method reproduces greedy
+    assert m["dtype"] == "float32" and m["device"] == "cpu" and m["lossless"] is True
+    assert sum(m["accept_hist"]) == m["n_target_forwards"] <= m["n_tokens"] == m["baseline_n_tokens"]
+    tokens_per_forward = sum((k + 1) * c for k, c in enumerate(m["accept_hist"])) / m["n_target_forwards"]
+    assert m["tau"] == pytest.approx(tokens_per_forward)
+    assert m["speedup"] == pytest.approx(m["tokens_per_s"] / m["baseline_tokens_per_s"])
+    assert m["time_draft_s"] >= 0 and m["time_verify_s"] > 0
+    if method == "autoregressive":
+        assert m["tau"] == 1.0 and m["accept_hist"] == [m["n_target_forwards"]] and m["predicted_tau"] == 1.0
+    else:
+        assert m["tau"] >= 1.0 and m["predicted_tau"] > 1.0
+    assert len(result.samples) == 2
+    for s in result.samples:
+        assert {"prompt_id", "token_ids", "text", "accepted_lengths"} <= set(s)
+        assert len(s["token_ids"]) <= 10 and isinstance(s["text"], str)
+    json.dumps(m)  # metrics.json must be plain JSON
+
+
+def test_measure_sampling_run(run_config):
+    """Temperature 1 with chain rejection sampling: the run completes and reports its acceptance."""
+    cfg = run_config(*SMALL, "method=vanilla", "method.verifier=chain", "workload.temperature=1.0", "seed=3")
+    m = measure(cfg, show_progress=False).metrics
+    assert m["n_tokens"] > 0 and m["tau"] >= 1.0
+    assert len(m["acceptance_by_depth"]) >= 1 and 0.0 <= m["acceptance_by_depth"][0] <= 1.0
+
+
+@pytest.mark.slow
+def test_run_py_writes_metrics_and_samples(cli, tmp_path):
+    proc = cli([*SMALL, "method=prompt_lookup", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["task"] == "measure" and metrics["method"] == "prompt_lookup" and "tau" in metrics
+    lines = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and "accepted_lengths" in json.loads(lines[0])
