@@ -152,6 +152,19 @@ class WorkloadConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """task=calibrate (methods.calibrate): how much to measure; star-tree positions = prompts × new_tokens."""
+
+    width: int = 32  # W, children of the star tree verified at each position (Sequoia's vector has 32)
+    prompts: int = 8  # calibration-split prompts continued by the target itself
+    new_tokens: int = 32  # tokens generated per prompt; a star tree is verified at each of them
+    depth_prompts: int = 4  # prompts decoded with the drafter's chain/tree for acceptance_by_depth
+    reps: int = 7  # timed forwards per t(n) size (the median is kept), after `warmup` untimed ones
+    warmup: int = 2
+    context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
+
+
+@dataclass
 class RunConfig:
     task: Task = Task.simulate
     seed: int = 0
@@ -163,6 +176,7 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 # ---- validation ------------------------------------------------------------------------------------
@@ -170,6 +184,7 @@ _POSITIVE = {
     "hardware": ("memory_bandwidth_gbs", "peak_tflops", "memory_gb"),
     "model": ("params", "bytes_per_param", "n_layers", "hidden_size", "vocab_size", "context_length"),
     "workload": ("num_prompts", "prompt_tokens", "max_new_tokens"),
+    "calibration": ("width", "prompts", "new_tokens", "depth_prompts", "reps"),
 }
 _UNIT_INTERVAL = {
     "hardware": ("bandwidth_efficiency", "flops_efficiency"),

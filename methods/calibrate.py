@@ -1,0 +1,405 @@
+"""task=calibrate: a drafter against the target on this device, measured Sequoia's way (Chen et al. 2024).
+
+p = target, q = draft. Along the target's own generation on the calibration split (greedy, or sampled at the
+workload's temperature) every position gets a one-level star tree of W children — q's top-W at temperature 0,
+W draws without replacement from q otherwise — verified by the matching verifier against p; the histogram of
+the accepted rank is the positional vector [0, p_1, …, p_W, p_none]. Also α_d of the drafter's chain/tree in
+the real loop, the target's t(n) (tree forwards of methods.engine), the draft step time and t_AR: a
+methods.profiles Profile, cached for tree=sequoia and the simulator's hardware=cpu validation.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from methods.drafter import Draft, DraftContext
+from methods.drafters.autoregressive import Autoregressive
+from methods.engine import ForwardOut, ModelEngine
+from methods.loop import DecodeOptions, decode
+from methods.metrics import AcceptStats
+from methods.models import Models, context_length, load_models
+from methods.profiles import (
+    Profile,
+    device_name,
+    profile_key,
+    profile_lock,
+    profile_path,
+    save_profile,
+    sequoia_tree_for,
+)
+from methods.registry import build_drafter
+from methods.sampling import SamplingParams, probs
+from methods.verify import verify
+from methods.workloads import load_prompts
+from specsim.acceptance import from_config
+from specsim.config import RunConfig, TreeKind, Verifier
+from specsim.cost import CostModel
+from specsim.io import atomic_write_json
+from specsim.tree import Tree
+from specsim.trees import build_tree
+
+__all__ = ["CalibrationResult", "Star", "StarRule", "calibrate", "measure_profile", "rank_vector",
+           "sequoia_tree_for", "star_children", "star_ranks", "star_rule", "forward_times", "verify_times"]
+
+
+# ---- the star tree ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StarRule:
+    """How a star tree's children are chosen and verified."""
+
+    sample: bool  # W draws without replacement from q (else q's top-W, deterministic)
+    verifier: Verifier
+
+    @property
+    def name(self) -> str:
+        return f"{self.verifier.value}-{'sample' if self.sample else 'topk'}"
+
+
+def star_rule(cfg: RunConfig) -> StarRule:
+    """Temperature 0: top-W, greedy verification (the accepted rank is the rank of p's argmax, if there).
+    Otherwise Sequoia's sampling without replacement and its verifier — unless the method verifies
+    deterministic drafts (deterministic, or Medusa's lossy typical): then top-W with that verifier."""
+    if cfg.workload.temperature == 0:
+        return StarRule(False, Verifier.greedy)
+    v = Verifier(cfg.method.verifier)
+    if v in (Verifier.deterministic, Verifier.typical):
+        return StarRule(False, v)
+    return StarRule(True, Verifier.sequoia)
+
+
+@dataclass(frozen=True)
+class Star:
+    children: torch.Tensor  # (k,) tokens in rank order (k <= W)
+    q: torch.Tensor | None  # (V,) the law they were drawn from; None = deterministic children
+
+
+def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: SamplingParams,
+                  generator: torch.Generator) -> list[Star]:
+    """One star per row of the draft logits (T, V): the top-W, or W draws without replacement from the
+    processed q by the exponential race (descending q/E, E ~ Exp(1), is a sequential draw ∝ q); a row with
+    fewer than W tokens of mass gets fewer children."""
+    if not rule.sample:
+        cands = q_logits.topk(width, dim=-1).indices  # (T, W)
+        return [Star(c, None) for c in cands]
+    q = probs(q_logits, sampling)  # (T, V)
+    keys, cands = (q / torch.empty_like(q).exponential_(generator=generator)).topk(width, dim=-1)  # (T, W)
+    return [Star(c[k > 0], qt) for c, k, qt in zip(cands, keys, q)]
+
+
+def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
+               generator: torch.Generator) -> list[int | None]:
+    """Verify one star tree per position with the configured verifier (methods.verify): p (T, V) processed
+    target law after each root, roots (T,) root tokens. The accepted child's rank (0-based), None if none."""
+    out: list[int | None] = []
+    for t, star in enumerate(stars):
+        k = int(star.children.numel())
+        if k == 0:
+            out.append(None)
+            continue
+        one_hot = star.q is None and rule.verifier == Verifier.sequoia  # a proposal that came without q
+        verifier = Verifier.deterministic if one_hot else rule.verifier
+        tree = Tree.from_parents([-1] + [0] * k)  # ranks 0..k-1 in order
+        tokens = torch.cat([roots[t : t + 1], star.children]).to(p.device)
+        q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
+        # the children's rows of p only feed the bonus token after an accepted leaf: not needed here
+        res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator)
+        out.append(tree.ranks[res.accepted[1]] if len(res.accepted) > 1 else None)
+    return out
+
+
+def rank_vector(ranks: Sequence[int | None], width: int) -> list[float]:
+    """Sequoia's [0, p_1, …, p_W, p_none] from accepted ranks (0-based; None = none accepted)."""
+    counts = np.zeros(width + 1)
+    for r in ranks:
+        counts[width if r is None else r] += 1
+    assert counts.sum() > 0, "no position was verified"
+    return [0.0, *(counts / counts.sum()).tolist()]
+
+
+# ---- one calibration ------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    cfg: RunConfig
+    models: Models
+    target: ModelEngine
+    draft: ModelEngine | None  # the draft model's, when there is one
+    drafter: Any  # methods.drafter.Drafter, built for the depth tree
+    tree: Tree  # the drafter's chain/tree for acceptance_by_depth
+    prompts: list[torch.Tensor]
+    sampling: SamplingParams
+    generator: torch.Generator
+    bar: tqdm
+
+    @property
+    def eos(self) -> int | None:
+        return self.models.tokenizer.eos_token_id if self.models.tokenizer is not None else None
+
+
+def depth_tree(cfg: RunConfig) -> Tree:
+    """The tree whose real decoding gives acceptance_by_depth: the configured one, or a chain of tree.gamma
+    when the configured tree is itself chosen from the calibration (sequoia) or per context (dynamic)."""
+    if TreeKind(cfg.tree.kind) in (TreeKind.sequoia, TreeKind.dynamic, TreeKind.none):
+        return Tree.chain(cfg.tree.gamma)
+    return build_tree(cfg.tree, from_config(cfg.method.acceptance), CostModel.from_config(cfg))
+
+
+def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -> ForwardOut:
+    """Logits (and hidden states) at every position of seq (T,), causally, leaving the engine empty."""
+    engine.reset()
+    out = engine.extend(seq.to(engine.device), list(range(-1, seq.numel() - 1)), hidden=hidden)
+    engine.drop_pending()
+    return out
+
+
+def _draft_model_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor) -> torch.Tensor:
+    """q after each root: the draft model's logits over the same sequence."""
+    return _forward_all(run.draft, seq).logits[roots]  # (T, V)
+
+
+def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor) -> torch.Tensor:
+    """q after each root: Medusa head 1 on the hidden state that predicted the root (as its drafter)."""
+    heads = run.drafter.heads
+    h = target.hidden[roots - 1]  # (T, H)
+    with torch.inference_mode():
+        return heads.head_logits(h.to(heads.heads[0][-1].weight.dtype), 1).float()  # (T, V)
+
+
+Law = Callable[[_Run, torch.Tensor, ForwardOut, torch.Tensor], torch.Tensor]
+LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
+
+
+def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None) -> list[Star]:
+    """Drafters without a law here: the root's children of their own proposal at each position (stateless
+    drafters such as prompt lookup; verification feedback is not given)."""
+    run.drafter.reset(seq[:n_prompt])
+    width, stars = run.cfg.calibration.width, []
+    for t in range(n_prompt - 1, seq.numel() - 1):
+        h = hidden[t - 1 : t] if hidden is not None and t >= 1 else None
+        draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, seq.numel() - 1 - t))
+        kids = sorted(draft.tree.children[0], key=lambda c: draft.tree.ranks[c])[:width]
+        stars.append(Star(draft.tokens[list(kids)], None if draft.q is None else draft.q[0]))
+    return stars
+
+
+def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
+    """The target's own continuations (prompt + generated) and the loop's autoregressive step time."""
+    cal, s = run.cfg.calibration, run.sampling
+    opts = DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, cal.new_tokens, run.eos)
+    if cal.warmup:
+        decode(run.target, Autoregressive(), run.prompts[0], replace(opts, max_new_tokens=4), run.generator)
+    seqs, verify_s, forwards = [], 0.0, 0
+    for ids in run.prompts:
+        r = decode(run.target, Autoregressive(), ids, opts, run.generator)
+        seqs.append(torch.cat([ids, torch.tensor(r.token_ids, dtype=torch.long)]))
+        verify_s, forwards = verify_s + r.time_verify_s, forwards + r.n_target_forwards
+        run.bar.update()
+    return seqs, verify_s / max(forwards, 1)
+
+
+def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[int | None]:
+    rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
+    want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
+    ranks: list[int | None] = []
+    for ids, seq in zip(run.prompts, seqs):
+        n_prompt = ids.numel()
+        roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
+        out = _forward_all(run.target, seq, hidden=want_hidden)
+        p = probs(out.logits[roots], run.sampling)  # (T, V)
+        if law is not None:
+            q_logits = law(run, seq, out, roots)
+            stars = star_children(q_logits, run.cfg.calibration.width, rule, run.sampling, run.generator)
+        else:
+            stars = _proposed(run, seq, n_prompt, out.hidden)
+        ranks += star_ranks(p, seq[roots], stars, rule, run.generator)
+        run.bar.update()
+    return ranks
+
+
+def _depth_run(run: _Run) -> tuple[AcceptStats, float, float]:
+    """The drafter's chain/tree through the real loop: acceptance stats, seconds per draft step (one
+    draft forward per level, or one pass for a single-pass drafter) and per speculation step."""
+    cal, m = run.cfg.calibration, run.cfg.method
+    opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
+    if cal.warmup:
+        decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
+    stats, draft_s, steps = AcceptStats(), 0.0, 0
+    for ids in run.prompts[: cal.depth_prompts]:
+        r = decode(run.target, run.drafter, ids, opts, run.generator)
+        stats.merge(r.stats)
+        draft_s, steps = draft_s + r.time_draft_s, steps + r.n_target_forwards
+        run.bar.update()
+    per_step = draft_s / max(steps, 1) if run.tree.depth > 0 else 0.0
+    levels = run.tree.depth if m.draft_steps == "depth" else 1
+    return stats, per_step / max(levels, 1), per_step
+
+
+@torch.inference_mode()
+def forward_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int], reps: int, warmup: int,
+                  seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of ``reps`` tree forwards (methods.engine.forward_tree, the loop's verify) over n tokens after
+    ``context`` (T,) committed tokens, for n in ``sizes``, after ``warmup`` untimed rounds. Star-shaped trees:
+    the cost depends on n, not on the shape. Each round times every size once, so a slow drift of a shared
+    machine hits all sizes alike."""
+    engine.reset()
+    engine.prefill(context)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(engine.model.config.get_text_config().vocab_size)
+    trees = {n: Tree.from_parents([-1] + [0] * (n - 1)) for n in sizes}
+    tokens = {n: torch.randint(vocab, (n,), generator=gen) for n in sizes}
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(warmup + reps):
+        for n in sizes:
+            sync()
+            t0 = time.perf_counter()
+            engine.forward_tree(tokens[n], trees[n])
+            sync()
+            dt = time.perf_counter() - t0
+            engine.drop_pending()
+            if r >= warmup:
+                times[n].append(dt)
+    return times
+
+
+def verify_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int], reps: int, warmup: int,
+                 seed: int = 0) -> dict[int, float]:
+    """t(n): the median of :func:`forward_times` for each n."""
+    times = forward_times(engine, context, sizes, reps, warmup, seed)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
+    cal, w = cfg.calibration, cfg.workload
+    sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
+    calib = replace(w, split="calibration", num_prompts=cal.prompts, max_new_tokens=cal.new_tokens)
+    prompts = load_prompts(calib, models.tokenizer, cfg.seed)
+    ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
+    tree = depth_tree(cfg)
+    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
+    tree = getattr(drafter, "tree", tree)  # a drafter may have cut the tree (Medusa: depth <= its heads)
+    generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
+    draft = ModelEngine(models.draft) if models.draft is not None else None
+    target = ModelEngine(models.target)
+    return _Run(cfg, models, target, draft, drafter, tree, ids, sampling, generator, bar)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    ranks: list[int | None]  # accepted rank of each star tree (None: none accepted)
+    stats: AcceptStats  # the drafter's chain/tree in the loop
+    t_ar: float
+    draft_step: float
+    spec_step: float
+    times: dict[int, list[float]]  # n → forward seconds
+    context: int
+    setup_s: float
+
+
+def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured]:
+    start, cal = time.perf_counter(), cfg.calibration
+    run = _setup(cfg, models, bar)
+    setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
+    seqs, t_ar = _trajectories(run)
+    ranks = _star_ranks(run, seqs)
+    stats, draft_step, spec_step = _depth_run(run)
+    ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
+    context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
+    sizes = sorted({1, *(int(b) for b in cfg.tree.budgets)})
+    times = forward_times(run.target, context, sizes, cal.reps, cal.warmup, cfg.seed)
+    bar.update()
+    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, times, ctx, setup_s)
+
+
+def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
+    """The calibration's own figures, kept in the profile for inspection."""
+    width = cfg.calibration.width
+    counts = np.bincount([width if r is None else r for r in m.ranks], minlength=width + 1)  # none last
+    # (first, third) quartile of each t(n), keyed by str(n) as JSON will have it
+    quartiles = {str(n): statistics.quantiles(v, n=4)[::2] if len(v) > 1 else v * 2
+                 for n, v in m.times.items()}
+    return {
+        "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
+        "temperature": cfg.workload.temperature,
+        "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
+        "loop_acceptance_by_rank": m.stats.by_rank(),
+        "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
+        "draft_steps": cfg.method.draft_steps, "draft_per_speculation_step_s": m.spec_step,
+        "context_tokens": m.context, "reps": cfg.calibration.reps, "t_n_quartiles_s": quartiles,
+        "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
+        "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
+    }
+
+
+def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress: bool = True) -> Profile:
+    """Calibrate ``cfg``'s drafter against its target on this device (see the module docstring)."""
+    start, cal, load = time.perf_counter(), cfg.calibration, os.getloadavg()[0]
+    models = models or load_models(cfg.model, cfg.device, cfg.model.dtype)
+    bar = tqdm(total=2 * cal.prompts + cal.depth_prompts + 1, desc=f"calibrate {cfg.method.drafter}",
+               disable=not show_progress)
+    with bar:
+        run, m = _measure(cfg, models, bar)
+    extra = {**_extra(cfg, run, m, [load, os.getloadavg()[0]]), "seconds": time.perf_counter() - start}
+    if max(extra["loadavg_1min"]) > (os.cpu_count() or 1):
+        print(f"calibrate: the machine was busy (1-min load up to {max(extra['loadavg_1min']):.1f} on "
+              f"{os.cpu_count()} CPUs): t(n) and the draft time are likely inflated", file=sys.stderr)
+    heads = getattr(run.drafter, "heads", None)  # Medusa: the tree cannot be deeper than its heads
+    return Profile(
+        acceptance_vector=tuple(rank_vector(m.ranks, cal.width)),
+        acceptance_by_depth=tuple(m.stats.by_depth()),
+        t_n={n: statistics.median(v) for n, v in m.times.items()}, draft_time_s=m.draft_step, t_ar_s=m.t_ar,
+        model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
+        device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
+        n_positions=len(m.ranks), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        key=profile_key(cfg), max_draft_depth=int(heads.num_heads) if heads is not None else 0, extra=extra,
+    )
+
+
+# ---- task=calibrate ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationResult:
+    metrics: dict[str, Any]  # run.py writes these into metrics.json
+    profile: Profile
+    path: Path  # the cached profile
+
+
+def calibrate(cfg: RunConfig, out_dir: Path | str, show_progress: bool = True) -> CalibrationResult:
+    """Measure afresh, cache the profile (replacing an older one) and copy it into the run dir."""
+    path = profile_path(cfg)
+    with profile_lock(path):
+        profile = measure_profile(cfg, show_progress=show_progress)
+        save_profile(profile, path)
+    atomic_write_json(Path(out_dir) / "profile.json", profile.to_json())
+    return CalibrationResult(profile_metrics(cfg, profile, path), profile, path)
+
+
+def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, Any]:
+    """metrics.json of a calibrate run: the profile's figures, and the Sequoia tree they select on this
+    device (and on cfg.hardware) with the simulator's predictions for it."""
+    tree, here, preset = sequoia_tree_for(cfg, profile)
+    n = sorted(profile.t_n)
+    return {
+        "acceptance_vector": list(profile.acceptance_vector),
+        "acceptance_by_depth": list(profile.acceptance_by_depth),
+        "t_n_tokens": n, "t_n_s": [profile.t_n[k] for k in n],
+        "draft_time_s": profile.draft_time_s, "t_ar_s": profile.t_ar_s,
+        "width": profile.width, "n_positions": profile.n_positions,
+        "loop_tau": profile.extra["loop_tau"], "calibration_seconds": profile.extra["seconds"],
+        "device": profile.device, "dtype": profile.dtype,
+        "profile_path": str(path), "profile_key": profile.key,
+        "sequoia_tree_size": tree.size, "sequoia_tree_depth": tree.depth,
+        "sequoia_predicted_tau": here["predicted_tau"],
+        "sequoia_predicted_speedup_this_device": here["predicted_speedup"],
+        "sequoia_predicted_speedup_hardware": preset["predicted_speedup"],
+    }

@@ -1,0 +1,305 @@
+"""Measured profiles of speculative decoding on this device, after Sequoia (Chen et al. 2024).
+
+A profile holds what task=calibrate measured for one (model, drafter, workload, device, dtype), p = target and
+q = draft: Sequoia's positional acceptance vector [0, p_1, …, p_W, p_none], per-depth acceptance α_d, the
+target's verify time t(n), the draft step time and t_AR. Cached as JSON in <cache root>/profiles/<key>.json
+(cache root: $SPECSIM_CACHE, else ~/.cache/specsim); tree=sequoia and hardware=cpu validation read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fcntl
+import hashlib
+import json
+import platform
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specsim.acceptance import PositionalAcceptance
+from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
+from specsim.cost import CostModel, MeasuredCost
+from specsim.io import atomic_write_json, read_json
+from specsim.predict import Prediction, simulate
+from specsim.tree import Tree
+from specsim.trees import build_tree
+
+PROFILE_FORMAT = 1  # bump when what a profile means changes: older files are then recalibrated
+
+
+@dataclass(frozen=True)
+class Profile:
+    acceptance_vector: tuple[float, ...]  # [0, p_1, …, p_W, p_none], sums to 1
+    acceptance_by_depth: tuple[float, ...]  # α_d of the drafter's chain/tree in the real loop, d = 1, 2, …
+    t_n: dict[int, float]  # n tree tokens → seconds of one target verify forward (median)
+    draft_time_s: float  # one draft step (a draft forward per level) or one pass of a single-pass drafter
+    t_ar_s: float  # one autoregressive step of the decode loop (forward + next token + commit)
+    model: str
+    drafter: str
+    workload: str
+    device: str
+    dtype: str
+    width: int  # W
+    n_positions: int  # star trees verified
+    created: str
+    key: str = ""
+    max_draft_depth: int = 0  # levels the drafter can fill below the root (Medusa: its heads); 0 = unbounded
+    extra: dict[str, Any] = field(default_factory=dict)  # counts, loop figures, timings of the calibration
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["t_n"] = {str(n): t for n, t in sorted(self.t_n.items())}  # JSON keys are strings
+        return {"format": PROFILE_FORMAT, **out}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Profile:
+        doc = dict(doc)
+        if doc.pop("format", None) != PROFILE_FORMAT:
+            raise ValueError("profile format differs from this version's")
+        doc["t_n"] = {int(n): float(t) for n, t in doc["t_n"].items()}
+        doc["acceptance_vector"] = tuple(doc["acceptance_vector"])
+        doc["acceptance_by_depth"] = tuple(doc["acceptance_by_depth"])
+        return cls(**doc)
+
+
+# ---- where profiles live ------------------------------------------------------------------------------
+def cache_root() -> Path:
+    from methods.zoo.build import cache_root as zoo_cache_root  # one definition of $SPECSIM_CACHE
+
+    return zoo_cache_root()
+
+
+def device_name(device: str) -> str:
+    """The device type and model, e.g. ``cpu:AMD EPYC 9R45`` or ``cuda:NVIDIA H100 80GB HBM3``: t(n) holds
+    for this kind of device only."""
+    import torch
+
+    from methods.models import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(dev)}"
+    return f"{dev.type}:{_cpu_model()}"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def model_identity(cfg: RunConfig) -> dict[str, Any]:
+    """What determines the loaded weights: the zoo preset and its build key, a random model's dimensions,
+    or checkpoint paths (not the simulator-only fields such as ``params``)."""
+    m = cfg.model
+    ident: dict[str, Any] = {"source": m.source, "dtype": m.dtype}
+    if m.source == "zoo":
+        from methods.zoo.build import preset, zoo_key
+
+        ident.update(zoo=m.zoo, zoo_key=zoo_key(preset(m.zoo)), draft=m.draft_n_layers > 0)
+    elif m.source == "random":
+        keys = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size",
+                "context_length", "draft_n_layers", "draft_hidden_size")
+        ident.update({k: getattr(m, k) for k in keys})
+    else:
+        ident.update(path=_resolved(m.path), draft_path=_resolved(m.draft_path))
+    return ident
+
+
+def _resolved(path: str) -> str:
+    return str(Path(path).resolve()) if path and Path(path).exists() else path
+
+
+def key_document(cfg: RunConfig) -> dict[str, Any]:
+    """Everything a profile is keyed by: model, drafter and its params with the star-tree rule, workload
+    (the vector depends on the text and on the sampling; t(n) on the context length), device, width."""
+    from methods.calibrate import star_rule  # the rule that produced the vector is part of what it means
+
+    w = cfg.workload
+    return {
+        "format": PROFILE_FORMAT,
+        "model": model_identity(cfg),
+        "drafter": cfg.method.drafter,
+        "params": cfg.method.params,
+        "star": star_rule(cfg).name,
+        "workload": {"name": w.name, "kind": w.kind, "prompt_tokens": w.prompt_tokens,
+                     "context_tokens": cfg.calibration.context_tokens or w.context_tokens,
+                     "temperature": w.temperature, "top_k": w.top_k, "top_p": w.top_p},
+        "device": device_name(cfg.device),
+        "threads": _threads(cfg.device),  # t(n) on a CPU depends on torch's thread count
+        "width": cfg.calibration.width,
+    }
+
+
+def _threads(device: str) -> int | None:
+    import torch
+
+    from methods.models import resolve_device
+
+    return torch.get_num_threads() if resolve_device(device).type == "cpu" else None
+
+
+def profile_key(cfg: RunConfig) -> str:
+    """Readable slug + a short hash of :func:`key_document`."""
+    doc = json.dumps(key_document(cfg), sort_keys=True, default=str)
+    digest = hashlib.sha256(doc.encode()).hexdigest()[:12]
+    dev = device_name(cfg.device).split(":")[0]
+    parts = (cfg.model.name, cfg.method.drafter, cfg.workload.name, dev, cfg.model.dtype, digest)
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", str(p)) for p in parts)
+
+
+def profile_path(cfg: RunConfig, cache: Path | None = None) -> Path:
+    return (cache or cache_root()) / "profiles" / f"{profile_key(cfg)}.json"
+
+
+# ---- load / save / ensure -----------------------------------------------------------------------------
+def load_profile(cfg: RunConfig, cache: Path | None = None) -> Profile | None:
+    """The cached profile of ``cfg``, or None (none yet, unreadable, or of an older format)."""
+    path = profile_path(cfg, cache)
+    if not path.is_file():
+        return None
+    try:
+        return Profile.from_json(read_json(path))
+    except (ValueError, TypeError, KeyError):  # corrupt or stale: recalibrate rather than fail
+        return None
+
+
+def save_profile(profile: Profile, path: Path) -> Path:
+    return atomic_write_json(path, profile.to_json())
+
+
+@contextlib.contextmanager
+def profile_lock(path: Path) -> Iterator[None]:
+    """Concurrent runs of a sweep wait for one calibration instead of each measuring."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def missing_budgets(profile: Profile, cfg: RunConfig) -> list[int]:
+    return sorted(set(int(b) for b in cfg.tree.budgets) - set(profile.t_n))
+
+
+def ensure_profile(
+    cfg: RunConfig, models=None, cache: Path | None = None, show_progress: bool = True
+) -> Profile:
+    """The cached profile, or calibrate now (printing a notice) and cache it. ``models``
+    (methods.models.Models) avoids loading them twice when the caller has them. A profile without t(n) for
+    one of cfg.tree.budgets is measured again."""
+    path = profile_path(cfg, cache)
+    with profile_lock(path):
+        profile = load_profile(cfg, cache)
+        if profile is not None and not missing_budgets(profile, cfg):
+            return profile
+        from methods.calibrate import measure_profile
+
+        why = "no profile yet" if profile is None else f"no t(n) for budgets {missing_budgets(profile, cfg)}"
+        print(f"calibrating {cfg.method.drafter} on {cfg.model.name}/{cfg.workload.name} ({why}; "
+              f"cached for later runs in {path})", file=sys.stderr, flush=True)
+        profile = measure_profile(cfg, models, show_progress=show_progress)
+        save_profile(profile, path)
+    return profile
+
+
+# ---- the simulator's view -----------------------------------------------------------------------------
+def to_measured_cost(profile: Profile) -> MeasuredCost:
+    """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``).
+    The draft time goes into the config: see :func:`apply_profile`."""
+    return MeasuredCost.from_mapping(profile.t_n)
+
+
+def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") -> RunConfig:
+    """A copy of ``cfg`` priced with the measured draft time (a ratio of the measured t(1), the simulator's
+    t_AR: per draft step for a drafter with one pass per level, else a fixed cost per speculation step) and,
+    by ``acceptance``, the measured positional vector (``vector``), the measured α_d (``by_depth``), or the
+    config's own acceptance model (``config``). Pair it with ``to_measured_cost(profile)``."""
+    assert acceptance in ("vector", "by_depth", "config"), f"unknown acceptance source {acceptance!r}"
+    out = copy.deepcopy(cfg)
+    m = out.method
+    if acceptance == "by_depth" and profile.acceptance_by_depth:
+        m.acceptance.kind, m.acceptance.by_depth = AcceptanceKind.table, list(profile.acceptance_by_depth)
+        m.acceptance.calibrated = True
+    elif acceptance != "config":
+        m.acceptance.kind, m.acceptance.vector = AcceptanceKind.vector, list(profile.acceptance_vector)
+        m.acceptance.calibrated = True
+    ratio = profile.draft_time_s / profile.t_n[min(profile.t_n)]
+    m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (methods.calibrate)
+    if m.draft_steps == "depth":
+        m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
+    else:
+        m.draft_cost_ratio, m.draft_fixed_ratio = 0.0, ratio
+    return out
+
+
+# ---- tree=sequoia ---------------------------------------------------------------------------------------
+def sequoia_config(cfg: RunConfig, profile: Profile) -> RunConfig:
+    """A copy of ``cfg`` for a Sequoia run on the measured vector: a sequoia tree (cfg.tree if it is one, else
+    the schema's default grid), depth and width capped by what the drafter can fill (Medusa: its heads and
+    TOPK, see :func:`drafter_vector`), and Sequoia's verifier — sampling without replacement — at
+    temperature > 0; greedy on the top-k tree at 0. Methods verifying deterministic drafts (deterministic,
+    typical) keep their verifier."""
+    out = copy.deepcopy(cfg)
+    if TreeKind(out.tree.kind) != TreeKind.sequoia:
+        out.tree = TreeConfig(name="sequoia", kind=TreeKind.sequoia, budgets=list(out.tree.budgets))
+    if profile.max_draft_depth:
+        out.tree.max_depth = max(2, min(out.tree.max_depth, profile.max_draft_depth + 1))  # levels incl. root
+    a = out.method.acceptance
+    a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile), True
+    if Verifier(out.method.verifier) not in (Verifier.deterministic, Verifier.typical):
+        out.method.verifier = Verifier.sequoia if out.workload.temperature > 0 else Verifier.greedy
+    return out
+
+
+def drafter_vector(cfg: RunConfig, profile: Profile) -> list[float]:
+    """The measured vector cut to the children a node can have: ``method.params.top_k`` where the drafter
+    has one (Medusa's TOPK: candidates per head); the mass of the ranks cut off joins p_none."""
+    top_k = int(cfg.method.params.get("top_k", 0) or 0)
+    vector = PositionalAcceptance(profile.acceptance_vector)
+    return [float(x) for x in vector.positional_vector(top_k if 0 < top_k < vector.width else None)]
+
+
+def _summary(p: Prediction) -> dict[str, Any]:
+    keys = ("predicted_tau", "predicted_speedup", "tree_size", "tree_depth", "tree_width", "t_verify_s",
+            "t_draft_s", "t_ar_s", "t_step_s", "cost_source")
+    return {k: getattr(p, k) for k in keys}
+
+
+def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, Any], dict[str, Any]]:
+    """Sequoia's DP-optimal tree for the measured vector, sized (budget, depth) for ``cfg.hardware``: its
+    roofline, or this device's measured t(n) and draft time when ``hardware.measured`` (hardware=cpu).
+    Returns (tree, the simulator's prediction for it with this device's measured profile — the validation
+    figure — and its prediction on the hardware preset's roofline). Decode with ``sequoia_config(cfg, …)``."""
+    scfg = sequoia_config(cfg, profile)
+    here_cfg, measured = apply_profile(scfg, profile), to_measured_cost(profile)
+    sizing = (
+        CostModel.from_config(here_cfg, measured) if cfg.hardware.measured else CostModel.from_config(scfg)
+    )
+    tree = build_tree(scfg.tree, PositionalAcceptance(tuple(scfg.method.acceptance.vector)), sizing)
+    here = simulate(here_cfg, profile=measured, tree=tree)
+    preset = simulate(scfg, tree=tree)
+    return tree, _summary(here), _summary(preset)
+
+
+def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """Flat metrics.json keys for a measure run with tree=sequoia: ``predicted_*`` follow the run's hardware
+    (this device's measured profile when ``hardware.measured``, else the preset's roofline), and both
+    predictions are kept under ``*_this_device`` / ``*_hardware``."""
+    main = this_device if cfg.hardware.measured else preset
+    out = {"predicted_tau": main["predicted_tau"], "predicted_speedup": main["predicted_speedup"]}
+    for suffix, pred in (("this_device", this_device), ("hardware", preset)):
+        out.update({f"predicted_tau_{suffix}": pred["predicted_tau"],
+                    f"predicted_speedup_{suffix}": pred["predicted_speedup"],
+                    f"predicted_t_step_s_{suffix}": pred["t_step_s"]})
+    return out

@@ -1,0 +1,245 @@
+"""task=calibrate and measured profiles: Sequoia's star-tree histogram (exact cases), the profile's layout,
+its JSON cache and key, and the Sequoia tree built from it (methods.calibrate, methods.profiles)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import methods.calibrate as calibrate_module
+from methods.calibrate import (
+    Star,
+    StarRule,
+    calibrate,
+    measure_profile,
+    rank_vector,
+    star_children,
+    star_ranks,
+)
+from methods.models import Models
+from methods.profiles import (
+    Profile,
+    apply_profile,
+    ensure_profile,
+    load_profile,
+    prediction_metrics,
+    profile_key,
+    profile_path,
+    save_profile,
+    sequoia_config,
+    sequoia_tree_for,
+    to_measured_cost,
+)
+from methods.sampling import SamplingParams
+from specsim.config import Verifier
+from specsim.io import read_json
+
+BUDGETS = [1, 2, 4, 8]
+SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
+         "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
+         "calibration.warmup=1", "calibration.width=8", f"tree.budgets=[{','.join(map(str, BUDGETS))}]")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Profiles go to a temporary cache root, never the user's."""
+    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _same_draft(models: Models) -> Models:
+    """The target as its own draft (a separate copy: its own KV cache)."""
+    return Models(models.target, copy.deepcopy(models.target), models.tokenizer, models.device, models.dtype)
+
+
+def _valid_vector(v, width: int) -> None:
+    assert len(v) == width + 2 and v[0] == 0.0
+    assert all(x >= 0 for x in v) and sum(v[1:]) == pytest.approx(1.0, abs=1e-9)
+
+
+# ---- the star-tree histogram on synthetic laws ----------------------------------------------------------
+def test_greedy_star_rank_is_the_rank_of_the_target_argmax():
+    V = 12
+    argmax = torch.tensor([3, 7, 0, 5])
+    p = torch.nn.functional.one_hot(argmax, V).float()  # (T, V) temperature 0: one-hot p
+    cands = torch.tensor([[3, 1, 2], [1, 2, 7], [4, 0, 9], [1, 2, 4]])  # argmax at rank 0, 2, 1, absent
+    stars = [Star(c, None) for c in cands]
+    ranks = star_ranks(p, torch.zeros(4, dtype=torch.long), stars, StarRule(False, Verifier.greedy),
+                       torch.Generator().manual_seed(0))
+    assert ranks == [0, 2, 1, None]
+    assert rank_vector(ranks, 3) == [0.0, 0.25, 0.25, 0.25, 0.25]
+
+
+def test_sequoia_star_without_replacement_matches_the_closed_form():
+    """V = 2, p = (.5, .5), q = (.9, .1), W = 2. First draw x1 ~ q: token 0 (0.9) accepted w.p. 5/9, token 1
+    (0.1) w.p. 1, so P(rank 1) = 0.6; after rejecting 0 the residual and the renormalised q are both
+    one-hot on 1: P(rank 2) = 0.4, P(none) = 0."""
+    n, gen = 4000, torch.Generator().manual_seed(0)
+    q_logits = torch.tensor([0.9, 0.1]).log().expand(n, 2)
+    rule = StarRule(True, Verifier.sequoia)
+    stars = star_children(q_logits, 2, rule, SamplingParams(temperature=1.0), gen)
+    p = torch.tensor([0.5, 0.5]).expand(n, 2)
+    v = rank_vector(star_ranks(p, torch.zeros(n, dtype=torch.long), stars, rule, gen), 2)
+    assert v[1] == pytest.approx(0.6, abs=0.03) and v[2] == pytest.approx(0.4, abs=0.03) and v[3] == 0.0
+
+
+def test_star_children_topk_and_support():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, -1.0, 4.0, -9.0]])
+    top = star_children(logits, 3, StarRule(False, Verifier.greedy), SamplingParams(0.0), torch.Generator())
+    assert [s.children.tolist() for s in top] == [[1, 3, 2], [0, 2, 1]] and top[0].q is None
+    sparse = SamplingParams(temperature=1.0, top_k=2)  # q has 2 tokens of mass: at most 2 children
+    gen = torch.Generator().manual_seed(1)
+    drawn = star_children(logits, 3, StarRule(True, Verifier.sequoia), sparse, gen)
+    assert [sorted(s.children.tolist()) for s in drawn] == [[1, 3], [0, 2]]
+    assert all(torch.allclose(s.q.sum(), torch.tensor(1.0)) for s in drawn)
+
+
+# ---- calibration of a real (tiny) pair ------------------------------------------------------------------
+def test_draft_equal_to_target_is_always_accepted_at_rank_one(run_config, tiny_models, cache):
+    """q = p: the greedy star accepts q's top-1 (= p's argmax), and the Sequoia rule accepts x ~ q with
+    probability min(1, p(x)/q(x)) = 1, so p_1 = 1 at any temperature."""
+    models = _same_draft(tiny_models)
+    for extra in ((), ("workload.temperature=1.0", "method.verifier=sequoia")):
+        prof = measure_profile(run_config(*SMALL, "method=vanilla", *extra), models, show_progress=False)
+        assert prof.acceptance_vector[1] == 1.0 and prof.extra["rank_counts"][0] == prof.n_positions > 0
+
+
+def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, monkeypatch):
+    cfg = run_config(*SMALL, "method=vanilla")
+    calls = []
+    real = calibrate_module.measure_profile
+
+    def counting(cfg, models=None, show_progress=True):
+        calls.append(1)
+        return real(cfg, models, show_progress=False)
+
+    monkeypatch.setattr(calibrate_module, "measure_profile", counting)
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    _valid_vector(prof.acceptance_vector, 8)
+    assert sorted(prof.t_n) == BUDGETS and all(t > 0 for t in prof.t_n.values())
+    assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
+    assert prof.acceptance_by_depth and all(0 <= a <= 1 for a in prof.acceptance_by_depth)
+    assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
+    path = profile_path(cfg)
+    assert path.parent == cache / "profiles" and path.is_file()
+    assert Profile.from_json(json.loads(path.read_text())) == prof  # JSON round trip, t_n keys back to int
+    assert ensure_profile(cfg, tiny_models) == prof and len(calls) == 1  # second call: from the cache
+    wider = run_config(*_with("tree.budgets=[1,2,4,8,16]", "method=vanilla"))
+    assert profile_path(wider) == path  # same key, but t(16) is missing: measured again
+    assert 16 in ensure_profile(wider, tiny_models).t_n and len(calls) == 2
+
+
+def _with(*overrides: str) -> tuple[str, ...]:
+    """SMALL with some of its keys replaced (Hydra refuses two values for one key)."""
+    keys = {o.split("=")[0] for o in overrides}
+    return (*(o for o in SMALL if o.split("=")[0] not in keys), *overrides)
+
+
+def test_profile_key_follows_what_the_profile_depends_on(run_config, cache):
+    base = run_config(*_with("method=vanilla"))
+    assert profile_key(base) == profile_key(run_config(*_with("method=vanilla", "calibration.prompts=3")))
+    # at temperature 0 every verifier sees the same greedy star: the vector does not depend on it
+    assert profile_key(base) == profile_key(run_config(*_with("method=vanilla", "method.verifier=chain")))
+    changes = [("tree.gamma=3",), ("method=prompt_lookup",), ("workload=prose",), ("model=micro",),
+               ("calibration.width=16",), ("workload.temperature=0.7", "method.verifier=chain"),
+               ("workload.prompt_tokens=48",)]
+    for change in changes:
+        assert profile_key(run_config(*_with("method=vanilla", *change))) != profile_key(base), change
+    lookup = run_config(*_with("method=prompt_lookup"))
+    bigger = run_config(*_with("method=prompt_lookup", "method.params.max_ngram_size=4"))
+    assert profile_key(lookup) != profile_key(bigger)
+    assert profile_key(lookup).startswith("random_tiny-prompt_lookup-code-cpu-float32-")
+
+
+def test_load_profile_ignores_a_stale_format(run_config, cache):
+    cfg = run_config(*SMALL, "method=vanilla")
+    path = profile_path(cfg)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": -1, "t_n": {}}))
+    assert load_profile(cfg) is None
+
+
+def test_calibrate_task_writes_profile_and_metrics(run_config, cache, tmp_path):
+    cfg = run_config(*SMALL, "method=vanilla")
+    res = calibrate(cfg, tmp_path / "run", show_progress=False)
+    assert res.path == profile_path(cfg)
+    assert read_json(tmp_path / "run" / "profile.json")["key"] == res.profile.key
+    m = res.metrics
+    _valid_vector(m["acceptance_vector"], 8)
+    assert m["t_n_tokens"] == BUDGETS and len(m["t_n_s"]) == len(BUDGETS)
+    assert m["profile_path"] == str(res.path)
+    assert 1 <= m["sequoia_tree_size"] <= max(BUDGETS) and m["sequoia_predicted_tau"] >= 1.0
+    json.dumps(m)
+
+
+# ---- tree=sequoia from a profile --------------------------------------------------------------------------
+def _profile(max_draft_depth: int = 0) -> Profile:
+    t_n = {1: 1e-3, 2: 1.02e-3, 4: 1.05e-3, 8: 1.1e-3, 16: 1.3e-3, 32: 1.8e-3, 64: 3e-3, 128: 5.5e-3}
+    return Profile((0.0, 0.6, 0.15, 0.05, 0.2), (0.6, 0.55), t_n, 1e-4, 1.1e-3, "zoo", "draft_model",
+                   "code", "cpu:test", "bfloat16", 3, 100, "2024-01-01T00:00:00+00:00",
+                   max_draft_depth=max_draft_depth)
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "a100"])
+def test_sequoia_tree_for_stays_within_budget(run_config, hardware):
+    budgets = "tree.budgets=[1,2,4,8,16,32,64,128]"
+    cfg = run_config("method=vanilla", "tree=sequoia", f"hardware={hardware}", budgets)
+    prof = _profile()
+    tree, here, preset = sequoia_tree_for(cfg, prof)
+    assert 1 < tree.size <= 128 and tree.size in cfg.tree.budgets and tree.depth + 1 <= cfg.tree.max_depth
+    assert here["cost_source"] == "measured" and preset["cost_source"] == "roofline"
+    assert here["tree_size"] == preset["tree_size"] == tree.size
+    assert here["predicted_tau"] == pytest.approx(preset["predicted_tau"]) and here["predicted_tau"] > 1
+    assert here["t_verify_s"] == pytest.approx(float(to_measured_cost(prof).time(tree.size)))
+    m = prediction_metrics(cfg, here, preset)
+    main = here if hardware == "cpu" else preset  # hardware=cpu is `measured`: predicted_* use the profile
+    assert m["predicted_speedup"] == main["predicted_speedup"]
+    assert m["predicted_speedup_this_device"] == here["predicted_speedup"]
+
+
+def test_sequoia_tree_for_respects_the_drafters_depth(run_config):
+    cfg = run_config("method=vanilla", "tree=sequoia", "hardware=a100")
+    tree, _, _ = sequoia_tree_for(cfg, _profile(max_draft_depth=2))
+    assert tree.depth <= 2
+    assert np.isfinite(sequoia_tree_for(cfg, _profile())[1]["predicted_speedup"])
+
+
+def test_sequoia_tree_for_respects_the_drafters_top_k(run_config):
+    """Medusa's TOPK bounds the children per node: ranks past it are never proposed (their mass → p_none)."""
+    wide = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.3, 0.2, 0.2, 0.15, 0.1, 0.05))
+    cfg = run_config("method=vanilla", "tree=sequoia", "hardware=a100")
+    assert sequoia_tree_for(cfg, wide)[0].width > 2
+    cfg.method.params["top_k"] = 2
+    tree, here, _ = sequoia_tree_for(cfg, wide)
+    assert max(tree.ranks) < 2 and tree.width <= 2
+    assert sequoia_config(cfg, wide).method.acceptance.vector == pytest.approx([0.0, 0.3, 0.2, 0.5])
+
+
+def test_save_and_load_round_trip(run_config, cache):
+    cfg = run_config(*SMALL, "method=vanilla")
+    prof = _profile()
+    save_profile(prof, profile_path(cfg))
+    assert load_profile(cfg) == prof
+
+
+@pytest.mark.parametrize("source", ["vector", "by_depth", "config"])
+def test_apply_profile_prices_with_the_measured_costs(run_config, source):
+    """hardware=cpu validation of any run: measured t(n) and draft time, acceptance by ``source``."""
+    from specsim.predict import simulate
+
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=3")
+    prof = _profile()
+    p = simulate(apply_profile(cfg, prof, acceptance=source), profile=to_measured_cost(prof))
+    assert p.cost_source == "measured" and p.t_ar_s == prof.t_n[1]
+    assert p.t_draft_s == pytest.approx(3 * prof.draft_time_s)  # one draft forward per level of the chain
+    assert p.acceptance_kind == {"vector": "vector", "by_depth": "table", "config": "iid"}[source]
+    alpha = {"vector": 0.6, "by_depth": None, "config": cfg.method.acceptance.alpha}[source]
+    if alpha is not None:  # a chain under p_1 (vector) or α: k̄ = (1 − α^{γ+1}) / (1 − α)
+        assert p.predicted_tau == pytest.approx((1 - alpha**4) / (1 - alpha))
+    else:
+        assert p.predicted_tau == pytest.approx(1 + 0.6 + 0.6 * 0.55 + 0.6 * 0.55 * 0.55)
