@@ -112,7 +112,7 @@ def compose_run_config(*overrides: str) -> RunConfig:
         return to_run_config(compose("config", overrides=list(overrides)))
 
 
-def seed_everything(seed: int, with_torch: bool) -> None:
+def seed_everything(seed: int, with_torch: bool, threads: int = 0) -> None:
     """Seed once, here; code below receives explicit generators. torch only when the task loads it."""
     random.seed(seed)
     np.random.seed(seed)
@@ -120,6 +120,8 @@ def seed_everything(seed: int, with_torch: bool) -> None:
         import torch
 
         torch.manual_seed(seed)
+        if threads:
+            torch.set_num_threads(threads)
 
 
 def execute(cfg: RunConfig, out_dir: Path) -> TaskResult:
@@ -225,7 +227,7 @@ def main(dcfg: DictConfig) -> None:
             return
     try:
         cfg = to_run_config(dcfg)
-        seed_everything(cfg.seed, with_torch=cfg.task != Task.simulate)
+        seed_everything(cfg.seed, with_torch=cfg.task != Task.simulate, threads=cfg.threads)
         result = execute(cfg, out_dir)
         write_outputs(out_dir, run_metrics(cfg, result.metrics, experiment), result.samples)
     except (ConfigError, TaskUnavailable) as e:

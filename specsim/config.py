@@ -169,7 +169,9 @@ class RunConfig:
     task: Task = Task.simulate
     seed: int = 0
     device: str = "auto"
-    dtype: str = "bfloat16"
+    # torch intra-op threads (0 = torch's default). On a shared 2-core machine one thread is often faster:
+    # with the other core busy, 2 OpenMP threads stall each other (measured 5-20x slower decode steps).
+    threads: int = 0
     warmup: int = 1
     method: MethodConfig = field(default_factory=MethodConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -219,7 +221,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice(w.split, "workload.split", ("train", "calibration", "test"))
     _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed"))
     _choice(m.source, "model.source", ("zoo", "random", "hub", "local"))
-    _choice(cfg.dtype, "dtype", ("float32", "bfloat16", "float16"))
+    _choice(cfg.model.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+    _check(cfg.threads >= 0, "threads", f"must be >= 0 (0 = torch's default), got {cfg.threads}")
     _choice(cfg.device, "device", ("auto", "cpu", "cuda")) if not cfg.device.startswith("cuda:") else None
     _check(m.source not in ("hub", "local") or bool(m.path), "model.path", "required for hub/local models")
     if cfg.method.verifier == Verifier.greedy and w.temperature > 0 and cfg.task != Task.simulate:

@@ -171,7 +171,8 @@ OUT_OF_RANGE = [
     ("workload.top_p=0", "workload.top_p"),
     ("workload.kind=poetry", "workload.kind"),
     ("model=hub", "model.path"),
-    ("dtype=int8", "dtype"),
+    ("model.dtype=int8", "model.dtype"),
+    ("threads=-1", "threads"),
 ]
 
 
