@@ -106,6 +106,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
+    tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
     prediction = simulate(cfg, tree=tree)
     metrics.update({
         "predicted_tau": prediction.predicted_tau,

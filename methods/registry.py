@@ -24,7 +24,10 @@ def names() -> tuple[str, ...]:
 
 def drafter_class(name: str) -> type:
     if name not in DRAFTERS:
-        raise KeyError(f"unknown drafter {name!r}; registered: {', '.join(sorted(DRAFTERS))}")
+        raise KeyError(
+            f"drafter {name!r} has no real-decoding implementation yet (registered: "
+            f"{', '.join(sorted(DRAFTERS))}); its method preset still works with task=simulate"
+        )
     module, attr = DRAFTERS[name].split(":")
     return getattr(import_module(module), attr)
 
