@@ -1,0 +1,78 @@
+"""Print the embedded zoo's quality report (held-out perplexity, p/q agreement, loop rates, t(n)), building
+the zoo first if needed; ``--step-time`` instead times a few training steps of each model to project the
+build time of a preset on this machine (the quiet-machine argument for the 10-minute budget).
+
+    python benchmarks/zoo_report.py [--zoo default] [--json] [--step-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def step_times(name: str, steps: int = 4) -> dict:
+    """Seconds per training step (median of ``steps`` after one warm-up) of each model and window length,
+    on random tokens, and the build time they project for the preset's step counts."""
+    import statistics
+
+    import torch
+
+    from methods.zoo.build import preset
+    from methods.zoo.train import Windows, new_model, sample_batch
+
+    cfg = preset(name)
+    gen = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, cfg.vocab_size, (200_000,), generator=gen)
+    out: dict = {"loadavg_1min_start": os.getloadavg()[0]}
+    projected = 0.0
+    for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
+        model = new_model(spec, cfg.vocab_size, 0, cfg.max_positions, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        w: Windows = cfg.windows
+        shapes = {(spec.batch_size, w.seq_len)}
+        if w.long_seq_len:
+            shapes.add(w.at(spec.steps - 1, spec.steps, spec.batch_size))
+        for b, t in sorted(shapes):
+            times = []
+            for i in range(steps + 1):
+                x = sample_batch(stream, b, t, gen)
+                t0 = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.train_dtype == "bfloat16"):
+                    loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            sec = statistics.median(times)
+            n = sum(w.at(s, spec.steps, spec.batch_size) == (b, t) for s in range(spec.steps))
+            out[f"{role}_{b}x{t}_s_per_step"] = sec
+            projected += n * sec
+    out["projected_training_s"] = projected
+    out["loadavg_1min_end"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--zoo", default="default")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--step-time", action="store_true", help="time training steps, not the report")
+    args = ap.parse_args()
+    if args.step_time:
+        print(json.dumps(step_times(args.zoo), indent=2))
+        return 0
+    from methods.zoo.__main__ import main as zoo_main
+
+    return zoo_main(["report", args.zoo] + (["--json"] if args.json else []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Training the zoo's Llama-architecture language models (target p and draft q) on packed corpus tokens.
+
+Plain next-token cross-entropy on random windows of one packed token stream (documents separated by
+<|endoftext|>), AdamW with linear warmup then cosine decay to 10%, gradient clipping, no dropout. The last
+steps use longer windows (same tokens per step) so positions up to ``long_seq_len`` are trained. A fixed
+step count (not a wall-clock budget) so a config gives the same model on any machine; tqdm shows the ETA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture and training recipe of one zoo model."""
+
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    intermediate_size: int
+    steps: int
+    batch_size: int = 16  # sequences of seq_len tokens per step
+    lr: float = 2e-3
+    warmup: int = 30
+    weight_decay: float = 0.1
+    # autocast dtype while training: bf16 is ~2.4x faster for the 6x384 target on this CPU, but slower than
+    # fp32 for the 1x128 draft (casting overhead dominates its small matmuls) — measured, see report.
+    train_dtype: str = "bfloat16"
+
+
+def llama_config(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads,
+        num_key_value_heads=spec.n_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        rope_theta=10000.0,
+    )
+
+
+def pack(docs: list[list[int]], eos_id: int, generator: torch.Generator) -> torch.Tensor:
+    """One long stream: documents in a seeded random order, each preceded by eos. (T,) long."""
+    order = torch.randperm(len(docs), generator=generator).tolist()
+    out: list[int] = []
+    for i in order:
+        out.append(eos_id)
+        out.extend(docs[i])
+    return torch.tensor(out, dtype=torch.long)
+
+
+def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Random windows of seq_len tokens. (B, seq_len)"""
+    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=generator)
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Training window lengths: ``seq_len`` tokens, then ``long_seq_len`` for the last ``long_fraction`` of
+    the steps with proportionally fewer windows per batch. Long windows are costlier per token (attention),
+    so they are kept to a final phase that teaches the positions longer prompts reach."""
+
+    seq_len: int = 256
+    long_seq_len: int = 0  # 0: never
+    long_fraction: float = 0.0
+
+    def at(self, step: int, steps: int, batch: int) -> tuple[int, int]:
+        """(windows, tokens per window) of training step ``step``."""
+        if self.long_seq_len and step >= round(steps * (1 - self.long_fraction)):
+            return max(1, batch * self.seq_len // self.long_seq_len), self.long_seq_len
+        return batch, self.seq_len
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """Linear warmup to 1, then cosine decay to ``floor`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class ThreadGovernor:
+    """Picks torch's intra-op thread count from the machine's load while training, restoring it after.
+
+    On a shared 2-core machine, 2 threads per process plus other busy processes make OpenMP threads wait on
+    each other: a target step measured 3-4x slower with 2 threads than with 1 under load ~8, and 2x faster
+    with 2 threads when idle. So: all threads when the rest of the machine is idle, else 1. Changes timing
+    only (float reduction order may differ in the last bits), never the recipe."""
+
+    def __init__(self, every: int = 10):
+        self.max_threads = torch.get_num_threads()
+        self.every = every
+
+    def update(self, step: int) -> None:
+        if step % self.every or self.max_threads == 1:
+            return
+        others = os.getloadavg()[0] - torch.get_num_threads()  # the 1-min load counts our own threads
+        torch.set_num_threads(self.max_threads if others < 0.5 else 1)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[ThreadGovernor]:
+        entry = torch.get_num_threads()
+        try:
+            yield self
+        finally:
+            torch.set_num_threads(entry)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    model: LlamaForCausalLM
+    final_loss: float  # mean training loss over the last 10% of steps
+    seconds: float
+
+
+def train_lm(
+    model: LlamaForCausalLM,
+    spec: ModelSpec,
+    stream: torch.Tensor,  # (T,) packed token ids
+    windows: Windows,
+    seed: int,
+    *,
+    label: str = "",
+) -> TrainResult:
+    """Train ``model`` in place for ``spec.steps`` steps on random windows of ``stream``."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay, eps=1e-8
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, spec.warmup, spec.steps))
+    use_bf16 = spec.train_dtype == "bfloat16"
+    model.train()
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    bar = tqdm(range(spec.steps), desc=f"train {label}", unit="step", dynamic_ncols=True)
+    with ThreadGovernor().active() as governor:
+        for step in bar:
+            governor.update(step)
+            x = sample_batch(stream, *windows.at(step, spec.steps, spec.batch_size), gen)  # (B, T)
+            losses.append(_step(model, opt, x, use_bf16))
+            sched.step()
+            recent = losses[-20:]
+            bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", threads=torch.get_num_threads())
+    bar.close()
+    model.eval()
+    tail = losses[-max(1, spec.steps // 10) :]
+    return TrainResult(model, sum(tail) / len(tail), time.perf_counter() - t0)
+
+
+def _step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, use_bf16: bool) -> float:
+    """One optimiser step on a batch of windows x: (B, T). Returns the loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def new_model(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: int, seed: int
+              ) -> LlamaForCausalLM:
+    """A freshly initialised fp32 model. HF initialises from torch's global RNG, so seed it inside
+    ``fork_rng`` (the caller's global RNG state is left untouched)."""
+    cfg = llama_config(spec, vocab_size, eos_id, max_positions)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
