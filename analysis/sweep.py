@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import traceback
 from collections.abc import Iterable
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from specsim.io import atomic_write_json
 
 METRICS = "metrics.json"
 SAMPLES = "samples.jsonl"
@@ -89,20 +90,8 @@ def record_failure(run_dir: str | os.PathLike, error: BaseException) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
-    """Write JSON to a temp file in the same directory, fsync, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=_json_default)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write JSON atomically (temp file + fsync + rename): the one writer of run outputs, specsim.io's."""
+    return atomic_write_json(path, obj)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -205,10 +194,3 @@ def _failure_message(path: Path) -> str:
     return str(data.get("error", "failed")) if isinstance(data, dict) else "failed"
 
 
-def _json_default(obj: Any) -> Any:
-    # numpy scalars and arrays, enums, paths: what result dicts tend to hold
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if hasattr(obj, "value"):
-        return obj.value
-    return str(obj)
