@@ -86,22 +86,6 @@ def compose(*overrides: str) -> RunConfig:
     return run.compose_run_config(*overrides)
 
 
-def load(cfg: RunConfig, device: str, dtype: str) -> Models:
-    """methods.models.load_models; while ``methods.zoo.checkpoint_dirs`` (which it imports) does not exist,
-    zoo checkpoints are loaded through the ``local`` source instead (ensure_zoo builds or finds them)."""
-    try:
-        return load_models(cfg.model, device, dtype)
-    except ImportError:
-        if cfg.model.source != "zoo":
-            raise
-    from methods.zoo import ensure_zoo
-
-    paths = ensure_zoo(cfg.model.zoo)
-    local = dataclasses.replace(cfg.model, source="local", path=str(paths.target_dir),
-                                draft_path=str(paths.draft_dir))
-    return load_models(local, device, dtype)
-
-
 # ---- the paths --------------------------------------------------------------------------------------------
 def hf_path(name: str, models: Models, max_new: int, **extra) -> BenchPath:
     """HF ``generate``: greedy, the tokenizer's EOS, no minimum length — it stops only where specsim does."""
@@ -147,14 +131,10 @@ class Candidate:
 def _method(overrides: tuple[str, ...], base: tuple[str, ...], params: dict) -> MethodConfig:
     method = compose(*base, *overrides).method
     method.params = {**method.params, **params}
-    if method.drafter == "medusa":  # conf/method/medusa.yaml carries keys MedusaParams rejects (see README)
-        from methods.drafters.medusa import MedusaParams
-
-        method.params = {k: v for k, v in method.params.items() if k in MedusaParams.__dataclass_fields__}
     return method
 
 
-def measured_rank_vector(models: Models, base: tuple[str, ...], engine, opts, prompts, width: int) -> list:
+def measured_rank_vector(models: Models, base: tuple[str, ...], engine, opts, prompts, *, width: int) -> list:
     """Sequoia's positional vector [0, p_1..p_W, p_none] of this draft, measured on calibration prompts with a
     star tree (the root's top-W draft children, greedy verification)."""
     method = _method(("method=vanilla",), base, {})
@@ -214,7 +194,7 @@ def medusa_cached(args, models: Models, base) -> bool:
 
 def build_paths(args, cfg: RunConfig, models: Models, calib) -> tuple[list[BenchPath], dict[str, str]]:
     """Every path, in a fixed order; and the names of the like-for-like pairs."""
-    base = (f"model={args.model}", f"workload={args.workload}")
+    base = (f"model={args.model}", f"workload={args.workload}", *args.overrides)
     max_new, greedy = cfg.workload.max_new_tokens, SamplingParams(temperature=0.0)
     opts = DecodeOptions(Verifier.greedy, greedy, max_new, models.tokenizer.eos_token_id)
     engine = ModelEngine(models.target)
@@ -348,6 +328,8 @@ def _rounded(d: dict) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="more Hydra overrides of the model/workload, e.g. "
+                    "model.path=/ckpt/target model.draft_path=/ckpt/draft with --model local")
     ap.add_argument("--workload", default="code", help="conf/workload preset (code, grounded, prose, mixed)")
     ap.add_argument("--model", default="zoo", help="conf/model preset (zoo, micro, random_tiny, ...)")
     ap.add_argument("--num-prompts", type=int, default=None, help="default: the workload preset's")
@@ -381,13 +363,13 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generate's per-call notices would drown the table
-    overrides = [f"model={args.model}", f"workload={args.workload}", "task=measure"]
+    overrides = [f"model={args.model}", f"workload={args.workload}", "task=measure", *args.overrides]
     overrides += [f"workload.num_prompts={args.num_prompts}"] if args.num_prompts else []
     overrides += [f"workload.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
     cfg = compose(*overrides)
     args.gamma = args.gamma or compose(*overrides, "tree=chain").tree.gamma
     dtype = cfg.model.dtype if args.dtype == "auto" else args.dtype
-    models = load(cfg, args.device, dtype)
+    models = load_models(cfg.model, args.device, dtype)  # a zoo is built on first use (minutes)
     prompts = [torch.tensor(p.token_ids) for p in load_prompts(cfg.workload, models.tokenizer, args.seed)]
     calib_cfg = dataclasses.replace(cfg.workload, split="calibration", num_prompts=args.calibration_prompts)
     calib = [torch.tensor(p.token_ids) for p in load_prompts(calib_cfg, models.tokenizer, args.seed)]
