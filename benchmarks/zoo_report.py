@@ -18,43 +18,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def step_times(name: str, steps: int = 4) -> dict:
-    """Seconds per training step (median of ``steps`` after one warm-up) of each model and window length,
-    on random tokens, and the build time they project for the preset's step counts."""
+    """Seconds per training step (median of ``steps`` after one warm-up) of each model and window shape,
+    on random tokens, with the draft's distillation forward of the target when the preset distils, and
+    the training time they project for the preset's step counts."""
     import statistics
 
     import torch
 
     from methods.zoo.build import preset
-    from methods.zoo.train import Windows, new_model, sample_batch
+    from methods.zoo.train import _step, new_model, sample_batch
 
     cfg = preset(name)
     gen = torch.Generator().manual_seed(0)
     stream = torch.randint(0, cfg.vocab_size, (200_000,), generator=gen)
-    out: dict = {"loadavg_1min_start": os.getloadavg()[0]}
+    out: dict = {"loadavg_1min_start": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
+    models = {}
     projected = 0.0
     for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
-        model = new_model(spec, cfg.vocab_size, 0, cfg.max_positions, seed=0)
+        models[role] = model = new_model(spec, cfg.vocab_size, 0, cfg.max_positions, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        w: Windows = cfg.windows
-        shapes = {(spec.batch_size, w.seq_len)}
-        if w.long_seq_len:
-            shapes.add(w.at(spec.steps - 1, spec.steps, spec.batch_size))
-        for b, t in sorted(shapes):
+        teacher = (models["target"], spec.distill) if spec.distill else (None, 0.0)
+        shape_of = [cfg.windows.at(s, spec.steps, spec.batch_size) for s in range(spec.steps)]
+        for b, t in sorted(set(shape_of)):
             times = []
             for i in range(steps + 1):
                 x = sample_batch(stream, b, t, gen)
                 t0 = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.train_dtype == "bfloat16"):
-                    loss = model(input_ids=x, labels=x).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _step(model, opt, x, spec.train_dtype == "bfloat16", teacher)
                 if i:
                     times.append(time.perf_counter() - t0)
-            sec = statistics.median(times)
-            n = sum(w.at(s, spec.steps, spec.batch_size) == (b, t) for s in range(spec.steps))
-            out[f"{role}_{b}x{t}_s_per_step"] = sec
-            projected += n * sec
+            out[f"{role}_{b}x{t}_s_per_step"] = sec = statistics.median(times)
+            projected += shape_of.count((b, t)) * sec
     out["projected_training_s"] = projected
     out["loadavg_1min_end"] = os.getloadavg()[0]
     return out

@@ -123,32 +123,33 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
 def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: int = 7) -> dict[int, float]:
     """Median wall time (ms) of one forward over n new tokens after a ``context``-token KV cache, for n in
     ``sizes``, in bf16: what verifying an n-node draft tree costs. Masks are 4D float (1, 1, n, context + n)
-    with explicit positions, as the decode loop passes them; the mask's content does not change the cost."""
+    with explicit positions, as the decode loop passes them; the mask's content does not change the cost.
+    Two untimed rounds over all sizes first (the first calls of a shape pay one-time costs), then ``reps``
+    timed rounds, sizes interleaved so that drift in the machine's load spreads over all of them."""
     m = copy.deepcopy(model).to(torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
-    vocab = m.config.vocab_size
     cache = DynamicCache()
-    m(input_ids=torch.randint(0, vocab, (1, context), generator=gen), past_key_values=cache, use_cache=True)
-    for _ in range(5):  # first calls pay one-time costs (allocator, kernel selection): keep them out
-        m(input_ids=torch.zeros(1, 1, dtype=torch.long), position_ids=torch.tensor([[context]]),
-          past_key_values=cache, use_cache=True)
-        cache.crop(-1)
-    out: dict[int, float] = {}
-    for n in sizes:
-        ids = torch.randint(0, vocab, (1, n), generator=gen)
-        mask = torch.zeros(1, 1, n, context + n, dtype=torch.bfloat16)
-        mask[..., context:] = torch.full((n, n), torch.finfo(torch.bfloat16).min).triu(1)  # chain-shaped tree
-        pos = torch.arange(context, context + n)[None]
-        times = []
-        for i in range(reps + 2):  # two warm-up calls
+    m(input_ids=torch.randint(0, m.config.vocab_size, (1, context), generator=gen), past_key_values=cache,
+      use_cache=True)
+    calls = {n: _tree_call(m, n, context, gen) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(reps + 2):
+        for n, kwargs in calls.items():
             t0 = time.perf_counter()
-            m(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            m(**kwargs, past_key_values=cache, use_cache=True)
             dt = time.perf_counter() - t0
             cache.crop(-n)  # negative count: drop the n tokens just appended
-            if i >= 2:
-                times.append(dt)
-        out[n] = 1e3 * statistics.median(times)
-    return out
+            if rnd >= 2:
+                times[n].append(dt)
+    return {n: 1e3 * statistics.median(t) for n, t in times.items()}
+
+
+def _tree_call(m: PreTrainedModel, n: int, context: int, gen: torch.Generator) -> dict:
+    """Inputs of a forward over n draft-tree tokens after ``context`` cached ones (a chain-shaped tree)."""
+    mask = torch.zeros(1, 1, n, context + n, dtype=torch.bfloat16)  # (1, 1, n, P + n) additive
+    mask[..., context:] = torch.full((n, n), torch.finfo(torch.bfloat16).min).triu(1)
+    return {"input_ids": torch.randint(0, m.config.vocab_size, (1, n), generator=gen), "attention_mask": mask,
+            "position_ids": torch.arange(context, context + n)[None]}
 
 
 # ---- the zoo's report ---------------------------------------------------------------------------------

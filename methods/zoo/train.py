@@ -39,6 +39,9 @@ class ModelSpec:
     # autocast dtype while training: bf16 is ~2.5x faster than fp32 for the target on this CPU and matched
     # fp32's loss after 100 steps (6.238 vs 6.240)
     train_dtype: str = "bfloat16"
+    # weight of distillation from a teacher (the zoo's target p) in the loss: (1-w)·CE(data) + w·CE(p, q)
+    # (DistillSpec, Zhou et al. 2023: a draft trained on the target's distribution is accepted more often)
+    distill: float = 0.0
 
 
 def llama_config(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: int) -> LlamaConfig:
@@ -141,9 +144,12 @@ def train_lm(
     windows: Windows,
     seed: int,
     *,
+    teacher: LlamaForCausalLM | None = None,
     label: str = "",
 ) -> TrainResult:
-    """Train ``model`` in place for ``spec.steps`` steps on random windows of ``stream``."""
+    """Train ``model`` in place for ``spec.steps`` steps on random windows of ``stream`` (distilling from
+    ``teacher`` when ``spec.distill`` > 0). The logged loss is the data cross-entropy either way."""
+    assert not spec.distill or teacher is not None, "spec.distill > 0 needs a teacher"
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay, eps=1e-8
@@ -158,7 +164,7 @@ def train_lm(
         for step in bar:
             governor.update(step)
             x = sample_batch(stream, *windows.at(step, spec.steps, spec.batch_size), gen)  # (B, T)
-            losses.append(_step(model, opt, x, use_bf16))
+            losses.append(_step(model, opt, x, use_bf16, (teacher, spec.distill)))
             sched.step()
             recent = losses[-20:]
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", threads=torch.get_num_threads())
@@ -168,15 +174,23 @@ def train_lm(
     return TrainResult(model, sum(tail) / len(tail), time.perf_counter() - t0)
 
 
-def _step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, use_bf16: bool) -> float:
-    """One optimiser step on a batch of windows x: (B, T). Returns the loss."""
+def _step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, use_bf16: bool,
+          distill: tuple[LlamaForCausalLM | None, float] = (None, 0.0)) -> float:
+    """One optimiser step on a batch of windows x: (B, T). Returns the data cross-entropy."""
+    teacher, w = distill
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
-        loss = model(input_ids=x, labels=x).loss
+        logq = model(input_ids=x).logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
+        data_ce = torch.nn.functional.nll_loss(logq.flatten(0, 1), x[:, 1:].flatten())
+        loss = data_ce
+        if w:
+            with torch.no_grad():
+                p = teacher(input_ids=x).logits[:, :-1].float().softmax(-1)  # (B, T-1, V)
+            loss = (1 - w) * data_ce + w * -(p * logq).sum(-1).mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item()
+    return data_ce.item()
 
 
 def new_model(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: int, seed: int
