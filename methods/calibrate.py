@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -163,21 +164,32 @@ def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -
     return out
 
 
-def _draft_model_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor) -> torch.Tensor:
-    """q after each root: the draft model's logits over the same sequence."""
+def _draft_model_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+                     ) -> torch.Tensor:
+    """q after each root: the draft model's logits over the same sequence (depth 1 only: at depth d the draft
+    model reads the true prefix, so its star there is a depth-1 star at a later position)."""
+    assert depth == 1, "the draft model's law is positional"
     return _forward_all(run.draft, seq).logits[roots]  # (T, V)
 
 
-def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor) -> torch.Tensor:
-    """q after each root: Medusa head 1 on the hidden state that predicted the root (as its drafter)."""
+def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+                ) -> torch.Tensor:
+    """q of the depth-``depth`` children: Medusa head ``depth`` on the hidden state that predicted the root
+    (as its drafter proposes them: every head reads that one state)."""
     heads = run.drafter.heads
     h = target.hidden[roots - 1]  # (T, H)
     with torch.inference_mode():
-        return heads.head_logits(h.to(heads.heads[0][-1].weight.dtype), 1).float()  # (T, V)
+        return heads.head_logits(h.to(heads.heads[0][-1].weight.dtype), depth).float()  # (T, V)
 
 
-Law = Callable[[_Run, torch.Tensor, ForwardOut, torch.Tensor], torch.Tensor]
+Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
 LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
+
+
+def law_depths(run: _Run) -> int:
+    """Depths with their own proposal law: Medusa's heads (head d drafts depth d); 1 for a positional one."""
+    heads = getattr(run.drafter, "heads", None)
+    return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
 
 
 def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None) -> list[Star]:
@@ -208,21 +220,30 @@ def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
     return seqs, verify_s / max(forwards, 1)
 
 
-def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[int | None]:
+def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
+    """Accepted ranks of the star trees, per depth: [0] at every position (the positional vector); [d-1] for
+    d >= 2 only for drafters whose depth-d children come from their own law (Medusa's head d), verified
+    against the target's law d-1 tokens further along the trajectory (the prefix the tree reached)."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
-    ranks: list[int | None] = []
+    depths = law_depths(run) if law is not None else 1
+    ranks: list[list[int | None]] = [[] for _ in range(depths)]
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
         out = _forward_all(run.target, seq, hidden=want_hidden)
-        p = probs(out.logits[roots], run.sampling)  # (T, V)
-        if law is not None:
-            q_logits = law(run, seq, out, roots)
-            stars = star_children(q_logits, run.cfg.calibration.width, rule, run.sampling, run.generator)
-        else:
-            stars = _proposed(run, seq, n_prompt, out.hidden)
-        ranks += star_ranks(p, seq[roots], stars, rule, run.generator)
+        if law is None:
+            p = probs(out.logits[roots], run.sampling)  # (T, V)
+            ranks[0] += star_ranks(p, seq[roots], _proposed(run, seq, n_prompt, out.hidden), rule, run.generator)
+        for d in range(1, depths + 1 if law is not None else 1):
+            at = roots[: roots.numel() - (d - 1)]  # roots whose depth-d node is still inside the trajectory
+            if at.numel() == 0:
+                continue
+            parent = at + d - 1  # where the depth-d node's parent token sits
+            stars = star_children(law(run, seq, out, at, d), run.cfg.calibration.width, rule, run.sampling,
+                                  run.generator)
+            ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], stars, rule,
+                                       run.generator)
         run.bar.update()
     return ranks
 
@@ -297,7 +318,7 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
 
 @dataclass(frozen=True)
 class _Measured:
-    ranks: list[int | None]  # accepted rank of each star tree (None: none accepted)
+    ranks: list[list[int | None]]  # accepted rank of each star tree (None: none accepted), per depth
     stats: AcceptStats  # the drafter's chain/tree in the loop
     t_ar: float
     draft_step: float
@@ -325,7 +346,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
     """The calibration's own figures, kept in the profile for inspection."""
     width = cfg.calibration.width
-    counts = np.bincount([width if r is None else r for r in m.ranks], minlength=width + 1)  # none last
+    counts = np.bincount([width if r is None else r for r in m.ranks[0]], minlength=width + 1)  # none last
     # (first, third) quartile of each t(n), keyed by str(n) as JSON will have it
     quartiles = {str(n): statistics.quantiles(v, n=4)[::2] if len(v) > 1 else v * 2
                  for n, v in m.times.items()}
@@ -356,12 +377,14 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
               f"{os.cpu_count()} CPUs): t(n) and the draft time are likely inflated", file=sys.stderr)
     heads = getattr(run.drafter, "heads", None)  # Medusa: the tree cannot be deeper than its heads
     return Profile(
-        acceptance_vector=tuple(rank_vector(m.ranks, cal.width)),
+        acceptance_vector=tuple(rank_vector(m.ranks[0], cal.width)),
+        acceptance_vectors_by_depth=tuple(tuple(rank_vector(r, cal.width)) for r in takewhile(bool, m.ranks))
+        if len(m.ranks) > 1 else (),
         acceptance_by_depth=tuple(m.stats.by_depth()),
         t_n={n: statistics.median(v) for n, v in m.times.items()}, draft_time_s=m.draft_step, t_ar_s=m.t_ar,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
-        n_positions=len(m.ranks), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        n_positions=len(m.ranks[0]), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         key=profile_key(cfg), max_draft_depth=int(heads.num_heads) if heads is not None else 0, extra=extra,
     )
 
@@ -392,6 +415,7 @@ def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, A
     return {
         "acceptance_vector": list(profile.acceptance_vector),
         "acceptance_by_depth": list(profile.acceptance_by_depth),
+        "acceptance_vectors_by_depth": [list(v) for v in profile.acceptance_vectors_by_depth],
         "t_n_tokens": n, "t_n_s": [profile.t_n[k] for k in n],
         "draft_time_s": profile.draft_time_s, "t_ar_s": profile.t_ar_s,
         "width": profile.width, "n_positions": profile.n_positions,

@@ -19,6 +19,15 @@ from methods.engine import ModelEngine
 from methods.loop import DecodeOptions, DecodeResult, decode
 from methods.metrics import AcceptStats
 from methods.models import load_models
+from methods.profiles import (
+    ensure_profile,
+    prediction_metrics,
+    profile_config,
+    profile_path,
+    sequoia_config,
+    sequoia_tree_for,
+    tree_predictions,
+)
 from methods.registry import build_drafter
 from methods.sampling import SamplingParams
 from methods.workloads import load_prompts
@@ -65,22 +74,14 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
     prompts = load_prompts(w, models.tokenizer, cfg.seed)
-    tree, sequoia = None, {}
+    tree, predictions, profile = None, {}, None
+    if cfg.method.drafter != "autoregressive":  # the drafter's measured profile on this device (cached)
+        profile = ensure_profile(profile_config(cfg), models, show_progress=show_progress)
     if TreeKind(cfg.tree.kind) == TreeKind.sequoia:  # the DP-optimal tree for this drafter's measured vector
-        from methods.profiles import (
-            ensure_profile,
-            prediction_metrics,
-            profile_path,
-            sequoia_config,
-            sequoia_tree_for,
-        )
-
-        profile = ensure_profile(cfg, models, show_progress=show_progress)
         tree, here, preset = sequoia_tree_for(cfg, profile)
-        sequoia = {**prediction_metrics(cfg, here, preset), "profile_path": str(profile_path(cfg)),
-                   "profile_acceptance_vector": list(profile.acceptance_vector)}
+        predictions = {**prediction_metrics(cfg, here, preset), "profile_path": str(profile_path(cfg))}
         cfg = sequoia_config(cfg, profile)  # measured vector; Sequoia's verifier (w/o replacement) at T > 0
-        sequoia["verifier_used"] = cfg.method.verifier.value
+        predictions["verifier_used"] = cfg.method.verifier.value
     if tree is None:
         tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
@@ -107,7 +108,13 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
-    prediction = simulate(cfg, tree=tree)
+    prediction = simulate(cfg, tree=tree)  # the config's own acceptance model (no profile: autoregressive)
+    if profile is not None and not predictions:
+        predictions = {**prediction_metrics(cfg, *tree_predictions(cfg, profile, tree)),
+                       "profile_path": str(profile_path(profile_config(cfg)))}
+    if profile is not None:
+        predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
+                           profile_acceptance_vectors_by_depth=[list(v) for v in profile.acceptance_vectors_by_depth])
     metrics.update({
         "predicted_tau": prediction.predicted_tau,
         "predicted_speedup": prediction.predicted_speedup,
@@ -117,7 +124,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "dtype": str(models.dtype).removeprefix("torch."),
         "device": str(models.device),
     })
-    metrics.update(sequoia)
+    metrics.update(predictions)
     return RunResult(metrics, samples)
 
 

@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 1  # bump when what a profile means changes: older files are then recalibrated
+PROFILE_FORMAT = 2  # bump when what a profile means changes: older files are then recalibrated
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class Profile:
     key: str = ""
     max_draft_depth: int = 0  # levels the drafter can fill below the root (Medusa: its heads); 0 = unbounded
     extra: dict[str, Any] = field(default_factory=dict)  # counts, loop figures, timings of the calibration
+    # one vector per depth for drafters whose depth-d children have their own law (Medusa: head d); else ()
+    acceptance_vectors_by_depth: tuple[tuple[float, ...], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -65,6 +67,7 @@ class Profile:
         doc["t_n"] = {int(n): float(t) for n, t in doc["t_n"].items()}
         doc["acceptance_vector"] = tuple(doc["acceptance_vector"])
         doc["acceptance_by_depth"] = tuple(doc["acceptance_by_depth"])
+        doc["acceptance_vectors_by_depth"] = tuple(tuple(v) for v in doc.get("acceptance_vectors_by_depth", ()))
         return cls(**doc)
 
 
@@ -220,20 +223,31 @@ def to_measured_cost(profile: Profile) -> MeasuredCost:
     return MeasuredCost.from_mapping(profile.t_n)
 
 
-def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") -> RunConfig:
-    """A copy of ``cfg`` priced with the measured draft time (a ratio of the measured t(1), the simulator's
-    t_AR: per draft step for a drafter with one pass per level, else a fixed cost per speculation step) and,
-    by ``acceptance``, the measured positional vector (``vector``), the measured α_d (``by_depth``), or the
-    config's own acceptance model (``config``). Pair it with ``to_measured_cost(profile)``."""
-    assert acceptance in ("vector", "by_depth", "config"), f"unknown acceptance source {acceptance!r}"
+def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
+    """A copy of ``cfg`` whose acceptance model is the measured one, by ``source``: the positional vector
+    (``vector``; one per depth where the profile has them, e.g. Medusa's heads), the α_d of the drafter's
+    chain/tree in the loop (``by_depth``), or the config's own model (``config``). Vectors are cut to the
+    children a node can have (:func:`drafter_vector`)."""
+    assert source in ("vector", "by_depth", "config"), f"unknown acceptance source {source!r}"
     out = copy.deepcopy(cfg)
+    a = out.method.acceptance
+    if source == "by_depth" and profile.acceptance_by_depth:
+        a.kind, a.by_depth, a.calibrated = AcceptanceKind.table, list(profile.acceptance_by_depth), True
+    elif source != "config" and profile.acceptance_vectors_by_depth:
+        a.kind, a.calibrated = AcceptanceKind.depth_vector, True
+        a.by_depth_vectors = [drafter_vector(cfg, v) for v in profile.acceptance_vectors_by_depth]
+        a.vector = drafter_vector(cfg, profile.acceptance_vector)
+    elif source != "config":
+        a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile.acceptance_vector), True
+    return out
+
+
+def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") -> RunConfig:
+    """:func:`measured_acceptance`, priced with the measured draft time (a ratio of the measured t(1), the
+    simulator's t_AR: per draft step for a drafter with one pass per level, else a fixed cost per
+    speculation step). Pair it with ``to_measured_cost(profile)``."""
+    out = measured_acceptance(cfg, profile, acceptance)
     m = out.method
-    if acceptance == "by_depth" and profile.acceptance_by_depth:
-        m.acceptance.kind, m.acceptance.by_depth = AcceptanceKind.table, list(profile.acceptance_by_depth)
-        m.acceptance.calibrated = True
-    elif acceptance != "config":
-        m.acceptance.kind, m.acceptance.vector = AcceptanceKind.vector, list(profile.acceptance_vector)
-        m.acceptance.calibrated = True
     ratio = profile.draft_time_s / profile.t_n[min(profile.t_n)]
     m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (methods.calibrate)
     if m.draft_steps == "depth":
@@ -256,18 +270,18 @@ def sequoia_config(cfg: RunConfig, profile: Profile) -> RunConfig:
     if profile.max_draft_depth:
         out.tree.max_depth = max(2, min(out.tree.max_depth, profile.max_draft_depth + 1))  # levels incl. root
     a = out.method.acceptance
-    a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile), True
+    a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile.acceptance_vector), True
     if Verifier(out.method.verifier) not in (Verifier.deterministic, Verifier.typical):
         out.method.verifier = Verifier.sequoia if out.workload.temperature > 0 else Verifier.greedy
     return out
 
 
-def drafter_vector(cfg: RunConfig, profile: Profile) -> list[float]:
-    """The measured vector cut to the children a node can have: ``method.params.top_k`` where the drafter
+def drafter_vector(cfg: RunConfig, vector: tuple[float, ...]) -> list[float]:
+    """A measured vector cut to the children a node can have: ``method.params.top_k`` where the drafter
     has one (Medusa's TOPK: candidates per head); the mass of the ranks cut off joins p_none."""
     top_k = int(cfg.method.params.get("top_k", 0) or 0)
-    vector = PositionalAcceptance(profile.acceptance_vector)
-    return [float(x) for x in vector.positional_vector(top_k if 0 < top_k < vector.width else None)]
+    model = PositionalAcceptance(tuple(vector))
+    return [float(x) for x in model.positional_vector(top_k if 0 < top_k < model.width else None)]
 
 
 def _summary(p: Prediction) -> dict[str, Any]:
@@ -276,24 +290,37 @@ def _summary(p: Prediction) -> dict[str, Any]:
     return {k: getattr(p, k) for k in keys}
 
 
+def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The simulator's predictions for a given tree under the measured acceptance: with this device's
+    measured t(n) and draft time (the validation figure), and on the hardware preset's roofline."""
+    here = simulate(apply_profile(cfg, profile), profile=to_measured_cost(profile), tree=tree)
+    return _summary(here), _summary(simulate(measured_acceptance(cfg, profile), tree=tree))
+
+
 def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, Any], dict[str, Any]]:
     """Sequoia's DP-optimal tree for the measured vector, sized (budget, depth) for ``cfg.hardware``: its
     roofline, or this device's measured t(n) and draft time when ``hardware.measured`` (hardware=cpu).
     Returns (tree, the simulator's prediction for it with this device's measured profile — the validation
     figure — and its prediction on the hardware preset's roofline). Decode with ``sequoia_config(cfg, …)``."""
     scfg = sequoia_config(cfg, profile)
-    here_cfg, measured = apply_profile(scfg, profile), to_measured_cost(profile)
-    sizing = (
-        CostModel.from_config(here_cfg, measured) if cfg.hardware.measured else CostModel.from_config(scfg)
-    )
+    sizing = (CostModel.from_config(apply_profile(scfg, profile), to_measured_cost(profile))
+              if cfg.hardware.measured else CostModel.from_config(scfg))
     tree = build_tree(scfg.tree, PositionalAcceptance(tuple(scfg.method.acceptance.vector)), sizing)
-    here = simulate(here_cfg, profile=measured, tree=tree)
-    preset = simulate(scfg, tree=tree)
-    return tree, _summary(here), _summary(preset)
+    return (tree, *tree_predictions(scfg, profile, tree))
+
+
+def profile_config(cfg: RunConfig) -> RunConfig:
+    """The config a run's profile is measured and keyed with: its tree made a sequoia one (same budgets), so
+    that every tree of one drafter × workload shares one calibration (α_d from a chain of tree.gamma)."""
+    if TreeKind(cfg.tree.kind) == TreeKind.sequoia:
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.tree = TreeConfig(name="sequoia", kind=TreeKind.sequoia, budgets=list(cfg.tree.budgets))
+    return out
 
 
 def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
-    """Flat metrics.json keys for a measure run with tree=sequoia: ``predicted_*`` follow the run's hardware
+    """Flat metrics.json keys for a measure run with a profile: ``predicted_*`` follow the run's hardware
     (this device's measured profile when ``hardware.measured``, else the preset's roofline), and both
     predictions are kept under ``*_this_device`` / ``*_hardware``."""
     main = this_device if cfg.hardware.measured else preset

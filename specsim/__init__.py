@@ -7,6 +7,7 @@ Public API (DESIGN.md "Contracts"): ``Tree``, ``chain_expected_tokens``, ``expec
 from specsim import sequoia
 from specsim.acceptance import (
     AcceptanceModel,
+    DepthVectorAcceptance,
     IIDAcceptance,
     PositionalAcceptance,
     PowerAcceptance,
@@ -29,7 +30,7 @@ from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
 __all__ = [
-    "AcceptanceModel", "CostModel", "DraftCost", "GammaChoice", "IIDAcceptance", "MeasuredCost",
+    "AcceptanceModel", "CostModel", "DepthVectorAcceptance", "DraftCost", "GammaChoice", "IIDAcceptance", "MeasuredCost",
     "ModelShape", "PositionalAcceptance", "PowerAcceptance", "Prediction", "Roofline", "TableAcceptance",
     "TargetCost", "Tree",
     "acceptance_from_config", "acceptance_vector", "accepted_length_law", "as_acceptance", "build_tree",

@@ -4,7 +4,9 @@ One interface for the tree math: ``prob(depth, rank)`` = P(the child of sibling 
 sampling order) at ``depth`` (root at 0, so draft nodes have depth >= 1) is the accepted one | its parent
 was accepted). Siblings are mutually exclusive, so the ranks' probabilities of one node sum to <= 1.
 Models: i.i.d. α (Leviathan et al. 2023), per-depth α_d (power decay or a measured table), and Sequoia's
-positional vector ``[0, p_1, …, p_W, p_none]`` (Chen et al. 2024), the layout used everywhere.
+positional vector ``[0, p_1, …, p_W, p_none]`` (Chen et al. 2024), the layout used everywhere — one for all
+depths, or one per depth for drafters whose depth-d proposals come from a different predictor (Medusa's head
+d, MTP modules).
 """
 
 from __future__ import annotations
@@ -153,6 +155,46 @@ class PositionalAcceptance:
         return np.concatenate([[0.0], p, [max(0.0, 1.0 - p.sum())]])
 
 
+@dataclass(frozen=True)
+class DepthVectorAcceptance:
+    """A positional vector per depth: ``vectors[d-1] = [0, p_1(d), …, p_W(d), p_none(d)]``; depths past the
+    table repeat its last vector. Measured for Medusa one head at a time (methods.calibrate): head d
+    proposes the depth-d children, and a later head is right less often than the first."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    kind = "depth_vector"
+
+    def __post_init__(self) -> None:
+        levels = tuple(PositionalAcceptance(tuple(v)) for v in self.vectors)  # validates each layout
+        assert levels, "need at least one depth's vector"
+        width = max(m.width for m in levels)
+        object.__setattr__(self, "vectors", tuple(tuple(m.positional_vector(width)) for m in levels))
+        # (D, W + 1): p_1..p_W of each depth, then a 0 column that ranks >= W map to
+        object.__setattr__(self, "_table", np.array([[*v[1:-1], 0.0] for v in self.vectors]))
+
+    @property
+    def width(self) -> int:
+        return len(self.vectors[0]) - 2
+
+    def _rows(self, depth: np.ndarray) -> np.ndarray:
+        return np.clip(np.asarray(depth) - 1, 0, len(self.vectors) - 1)
+
+    def prob(self, depth: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        depth, rank = np.broadcast_arrays(np.asarray(depth), np.asarray(rank))
+        return self._table[self._rows(depth), np.minimum(rank, self.width)]
+
+    def sample_ranks(self, depth: np.ndarray, max_rank: int, rng: np.random.Generator) -> np.ndarray:
+        p = self._table[self._rows(depth), : self.width]  # (S, W)
+        cdf = np.cumsum(p, axis=-1)
+        u = rng.random(p.shape[:-1])  # (S,)
+        r = (u[..., None] >= cdf).sum(-1)  # first rank whose cumulative mass exceeds u; W = none
+        return np.where(r < min(max_rank, self.width), r, max_rank)
+
+    def positional_vector(self, width: int | None = None) -> np.ndarray:
+        """The depth-1 vector (what Sequoia's DP, which assumes one vector for all depths, is given)."""
+        return PositionalAcceptance(self.vectors[0]).positional_vector(width)
+
+
 AcceptanceLike = AcceptanceModel | Sequence[float] | np.ndarray
 
 
@@ -168,6 +210,8 @@ def from_config(cfg: AcceptanceConfig) -> AcceptanceModel:
     kind = AcceptanceKind(cfg.kind)
     if kind == AcceptanceKind.vector:
         return PositionalAcceptance(tuple(cfg.vector))
+    if kind == AcceptanceKind.depth_vector:
+        return DepthVectorAcceptance(tuple(tuple(v) for v in cfg.by_depth_vectors))
     if kind == AcceptanceKind.table:
         return TableAcceptance(tuple(cfg.by_depth))
     if kind == AcceptanceKind.power:

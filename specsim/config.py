@@ -52,6 +52,7 @@ class AcceptanceKind(str, Enum):
     power = "power"  # per-depth α_d = alpha * decay**(d-1)
     table = "table"  # per-depth measured α_d (``by_depth``)
     vector = "vector"  # Sequoia positional vector [0, p_1, …, p_W, p_none]
+    depth_vector = "depth_vector"  # one positional vector per depth (``by_depth_vectors``)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class AcceptanceConfig:
     decay: float = 1.0
     by_depth: list[float] = field(default_factory=list)
     vector: list[float] = field(default_factory=list)
+    by_depth_vectors: list[list[float]] = field(default_factory=list)  # [d-1] = depth d's vector
     # where a measured vector may come from (task=calibrate writes it); empty = use the fields above
     calibrated: bool = False
 
@@ -255,6 +257,12 @@ def _validate_method(m: MethodConfig) -> None:
         _check(len(v) >= 3, "method.acceptance.vector", "layout is [0, p_1, …, p_W, p_none]")
         _check(all(x >= 0 for x in v), "method.acceptance.vector", "entries must be >= 0")
         _check(abs(sum(v[1:]) - 1) < 1e-3, "method.acceptance.vector", f"p_1..p_none must sum to 1, got {sum(v[1:]):.4f}")
+    if a.kind == AcceptanceKind.depth_vector:
+        _check(bool(a.by_depth_vectors), "method.acceptance.by_depth_vectors", "required when kind=depth_vector")
+    for d, v in enumerate(a.by_depth_vectors, 1):
+        where = f"method.acceptance.by_depth_vectors[{d - 1}]"
+        _check(len(v) >= 3 and all(x >= 0 for x in v), where, "layout is [0, p_1, …, p_W, p_none], entries >= 0")
+        _check(abs(sum(v[1:]) - 1) < 1e-3, where, f"p_1..p_none of depth {d} must sum to 1, got {sum(v[1:]):.4f}")
 
 
 def _validate_tree(t: TreeConfig) -> None:

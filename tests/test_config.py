@@ -173,6 +173,8 @@ OUT_OF_RANGE = [
     ("model=hub", "model.path"),
     ("model.dtype=int8", "model.dtype"),
     ("threads=-1", "threads"),
+    ("method.acceptance.kind=depth_vector", "method.acceptance.by_depth_vectors"),
+    ("method.acceptance.by_depth_vectors=[[0.0,0.5,0.4]]", "method.acceptance.by_depth_vectors[0]"),
 ]
 
 

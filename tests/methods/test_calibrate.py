@@ -26,6 +26,7 @@ from methods.profiles import (
     Profile,
     apply_profile,
     ensure_profile,
+    measured_acceptance,
     load_profile,
     prediction_metrics,
     profile_key,
@@ -34,6 +35,7 @@ from methods.profiles import (
     sequoia_config,
     sequoia_tree_for,
     to_measured_cost,
+    tree_predictions,
 )
 from methods.sampling import SamplingParams
 from specsim.config import Verifier
@@ -243,3 +245,36 @@ def test_apply_profile_prices_with_the_measured_costs(run_config, source):
         assert p.predicted_tau == pytest.approx((1 - alpha**4) / (1 - alpha))
     else:
         assert p.predicted_tau == pytest.approx(1 + 0.6 + 0.6 * 0.55 + 0.6 * 0.55 * 0.55)
+
+
+def test_medusa_profile_has_one_vector_per_head(run_config, tiny_models, cache):
+    """Medusa's depth-d children come from head d: the calibration keeps one star-tree vector per head, the
+    first being the positional vector, each from one star per position that is still inside the trajectory."""
+    cfg = run_config(*SMALL, "method=medusa", "+method.params.heads=init", "method.params.num_heads=3")
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    assert len(prof.acceptance_vectors_by_depth) == 3 and prof.max_draft_depth == 3
+    assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    for v in prof.acceptance_vectors_by_depth:
+        _valid_vector(v, 8)
+    assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    vanilla = measure_profile(run_config(*SMALL, "method=vanilla"), tiny_models, show_progress=False)
+    assert vanilla.acceptance_vectors_by_depth == ()  # a draft model's law is positional
+
+
+def test_depth_vectors_price_a_medusa_tree_below_the_positional_model(run_config):
+    """With per-head vectors (and Medusa's TOPK cut) deeper nodes are priced with their own head's rates."""
+    from specsim.tree import Tree
+
+    head1, head2 = (0.0, 0.5, 0.2, 0.1, 0.2), (0.0, 0.25, 0.15, 0.1, 0.5)
+    prof = dataclasses.replace(_profile(), acceptance_vector=head1, acceptance_vectors_by_depth=(head1, head2))
+    cfg = run_config("method=medusa", "method.params.top_k=2", "hardware=a100")
+    a = measured_acceptance(cfg, prof).method.acceptance
+    assert a.kind.value == "depth_vector"
+    np.testing.assert_allclose(a.by_depth_vectors, [[0, .5, .2, .3], [0, .25, .15, .6]])
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    here, preset = tree_predictions(cfg, prof, tree)
+    by_hand = 1 + (0.5 + 0.2) + (0.5 * 0.4 + 0.2 * 0.25) + 0.5 * 0.25 * 0.25  # depth 3 repeats head 2
+    assert here["predicted_tau"] == pytest.approx(by_hand) == preset["predicted_tau"]
+    assert here["cost_source"] == "measured" and preset["cost_source"] == "roofline"
+    flat = dataclasses.replace(prof, acceptance_vectors_by_depth=())
+    assert tree_predictions(cfg, flat, tree)[0]["predicted_tau"] > by_hand

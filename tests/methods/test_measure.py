@@ -9,7 +9,9 @@ import pytest
 from methods.measure import measure
 
 SMALL = ("task=measure", "model=random_tiny", "workload.num_prompts=2", "workload.prompt_tokens=24",
-         "workload.max_new_tokens=10", "warmup=1")
+         "workload.max_new_tokens=10", "warmup=1", "calibration.prompts=2", "calibration.new_tokens=8",
+         "calibration.depth_prompts=1", "calibration.reps=2", "calibration.warmup=1", "calibration.width=4",
+         "tree.budgets=[1,2,4,8]")
 CONTRACT = ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "accept_hist", "acceptance_by_depth",
             "acceptance_by_rank", "n_target_forwards", "time_draft_s", "time_verify_s", "predicted_tau",
             "predicted_speedup", "greedy_equal_rate", "lossless", "dtype", "device")
@@ -30,8 +32,11 @@ def test_measure_greedy_contract(run_config, method):
     assert m["time_draft_s"] >= 0 and m["time_verify_s"] > 0
     if method == "autoregressive":
         assert m["tau"] == 1.0 and m["accept_hist"] == [m["n_target_forwards"]] and m["predicted_tau"] == 1.0
-    else:
-        assert m["tau"] >= 1.0 and m["predicted_tau"] > 1.0
+    else:  # predicted from the drafter's measured profile (calibrated once, cached): this CPU and the preset
+        assert m["tau"] >= 1.0 and m["predicted_tau"] >= 1.0
+        assert m["predicted_tau"] == m["predicted_tau_this_device"]  # hardware=cpu: the measured profile
+        assert m["predicted_speedup_this_device"] > 0 and m["predicted_speedup_hardware"] > 0
+        assert len(m["profile_acceptance_vector"]) == 4 + 2 and m["profile_path"].endswith(".json")
     assert len(result.samples) == 2
     for s in result.samples:
         assert {"prompt_id", "token_ids", "text", "accepted_lengths"} <= set(s)

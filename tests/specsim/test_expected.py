@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsim import (
+    DepthVectorAcceptance,
     IIDAcceptance,
     PositionalAcceptance,
     PowerAcceptance,
@@ -30,6 +31,7 @@ MODELS = [
     PowerAcceptance(0.85, 0.9),
     TableAcceptance((0.8, 0.6, 0.5)),
     PositionalAcceptance(DEMO_LIKE),
+    DepthVectorAcceptance((DEMO_LIKE, (0.0, 0.3, 0.2, 0.1, 0.4), (0.0, 0.2, 0.8))),  # widths 5, 3, 1
 ]
 TREES = [
     Tree.chain(5),
@@ -129,3 +131,18 @@ def test_from_config_builds_each_kind():
     assert from_config(AcceptanceConfig(kind=AcceptanceKind.table, by_depth=[0.5, 0.4])).kind == "table"
     vec = from_config(AcceptanceConfig(kind=AcceptanceKind.vector, vector=list(DEMO_LIKE)))
     assert vec == PositionalAcceptance(DEMO_LIKE) and vec.width == 5
+
+
+def test_depth_vectors_are_per_depth_positional_models():
+    """Depth d reads its own vector (deeper depths the last one); equal vectors = the positional model."""
+    head2 = (0.0, 0.3, 0.2, 0.5)
+    m = DepthVectorAcceptance((DEMO_LIKE, head2))
+    np.testing.assert_allclose(m.prob(np.array([1, 1, 2, 2, 3, 2]), np.array([0, 1, 0, 1, 1, 2])),
+                               [0.55, 0.15, 0.3, 0.2, 0.2, 0.0])
+    np.testing.assert_allclose(m.positional_vector(), DEMO_LIKE)  # depth 1: what Sequoia's DP is given
+    same = DepthVectorAcceptance((DEMO_LIKE, DEMO_LIKE, DEMO_LIKE))
+    for tree in TREES:
+        assert expected_tokens(tree, same) == pytest.approx(expected_tokens(tree, PositionalAcceptance(DEMO_LIKE)))
+        assert expected_tokens(tree, m) < expected_tokens(tree, PositionalAcceptance(DEMO_LIKE))
+    cfg = AcceptanceConfig(kind=AcceptanceKind.depth_vector, by_depth_vectors=[list(DEMO_LIKE), list(head2)])
+    assert from_config(cfg) == m
