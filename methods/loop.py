@@ -41,6 +41,7 @@ class DecodeResult:
     time_verify_s: float  # target forward + verification + commit
     time_total_s: float  # the whole decode, prefill included
     stop: str  # "eos" | "length"
+    time_prefill_s: float = 0.0  # the prompt's prefill (target, and the drafter's reset: a draft model's own)
 
 
 @torch.inference_mode()
@@ -53,9 +54,10 @@ def decode(
     prompt = prompt.detach().to("cpu", torch.long).view(-1)
     n_prompt, max_new = prompt.numel(), opts.max_new_tokens
     want_hidden = bool(getattr(drafter, "needs_hidden_states", False))
-    tokens, hidden = _start(target, drafter, prompt, max_new, want_hidden)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length")
+    tokens, hidden = _start(target, drafter, prompt, max_new, want_hidden)
+    sync()
+    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start)
     t, end = n_prompt, n_prompt + max_new
     while t < end:
         t0 = time.perf_counter()

@@ -4,6 +4,12 @@ Loads target p / draft q and the workload's prompts, builds the run's tree (the 
 so the prediction is for exactly the tree decoded with), warms up, then for every prompt decodes with the
 autoregressive baseline and with the method through the same loop and timers (interleaved, so slow drifts of
 a shared machine hit both). Metrics follow DESIGN.md's contract; tau counts the bonus token.
+
+Every drafter's run also reads (or calibrates once, cached) its measured profile on this device
+(methods.profiles): ``predicted_*`` are then the simulator's figures for the decoded tree under the measured
+acceptance (Medusa: one vector per head) — with this device's t(n) and draft time for ``hardware=cpu``, the
+preset's roofline otherwise; both are kept (``*_this_device``, ``*_hardware``). ``decode_speedup`` leaves
+out the prompt's prefill (of the target, and of a draft model), which the per-step cost model does not price.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class _Totals:
     forwards: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prefill_s: float = 0.0
 
     def add(self, r: DecodeResult) -> None:
         self.tokens += len(r.token_ids)
@@ -56,10 +63,17 @@ class _Totals:
         self.forwards += r.n_target_forwards
         self.draft_s += r.time_draft_s
         self.verify_s += r.time_verify_s
+        self.prefill_s += r.time_prefill_s
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Without the prompt's prefill: the per-step regime the simulator's S = k̄·t_AR / t_step models."""
+        decode_s = self.seconds - self.prefill_s
+        return self.tokens / decode_s if decode_s > 0 else 0.0
 
 
 def run_tree(cfg: RunConfig) -> Tree:
@@ -147,6 +161,10 @@ def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[d
         "tokens_per_s": method.tokens_per_s,
         "baseline_tokens_per_s": base.tokens_per_s,
         "speedup": method.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+        # the same without either side's prefill (a draft model prefills the prompt too): what the
+        # simulator's prediction is for
+        "decode_speedup": (method.decode_tokens_per_s / base.decode_tokens_per_s
+                           if base.decode_tokens_per_s else 0.0),
         "accept_hist": stats.hist,
         "acceptance_by_depth": stats.by_depth(),
         "acceptance_by_rank": stats.by_rank(),
@@ -157,6 +175,8 @@ def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[d
         "time_draft_s": method.draft_s,
         "time_verify_s": method.verify_s,
         "time_total_s": method.seconds,
+        "time_prefill_s": method.prefill_s,
+        "baseline_time_prefill_s": base.prefill_s,
         "baseline_time_s": base.seconds,
         "greedy_equal_rate": sum(s["equal_to_baseline"] for s in samples) / len(samples),
         "num_prompts": len(samples),
