@@ -134,7 +134,8 @@ def execute(cfg: RunConfig, out_dir: Path) -> TaskResult:
     if cfg.task == Task.measure:
         measure = _import_task("methods.measure", "measure", cfg.task)
         result = measure(cfg)
-        return TaskResult(dict(result.metrics), list(result.samples), _measure_lines(result.metrics))
+        lines = _measure_lines(result.metrics, cfg.hardware.name)
+        return TaskResult(dict(result.metrics), list(result.samples), lines)
     calibrate = _import_task("methods.calibrate", "calibrate", cfg.task)
     result = calibrate(cfg, out_dir)
     metrics = dict(getattr(result, "metrics", result) or {})
@@ -193,7 +194,7 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
     ]
 
 
-def _measure_lines(m: dict[str, Any]) -> list[str]:
+def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     speedup, predicted = _fmt(m.get("speedup"), ".2f"), _fmt(m.get("predicted_speedup"), ".2f")
     lines = [
         f"tau {_fmt(m.get('tau'), '.3f')} (predicted {_fmt(m.get('predicted_tau'), '.3f')})",
@@ -202,7 +203,7 @@ def _measure_lines(m: dict[str, Any]) -> list[str]:
         f"(predicted {predicted}x)",
     ]
     if "predicted_speedup_hardware" in m:  # a drafter's measured profile: the run's hardware preset too
-        lines.append(f"predicted on the {m.get('hardware', '?')} preset's roofline: "
+        lines.append(f"predicted on the {hardware} preset's roofline: "
                      f"{_fmt(m.get('predicted_speedup_hardware'), '.2f')}x")
     return lines
 
