@@ -52,11 +52,48 @@ def find_continuation(tokens: torch.Tensor, params: LookupParams) -> torch.Tenso
     return tokens[:0]
 
 
+class NgramIndex:
+    """Incremental :func:`find_continuation`: for each n in [min_ngram_size, max_ngram_size], the end of the
+    most recent occurrence of every n-gram that has a successor, updated with the tokens appended since the
+    last call — O(new tokens) per decode step instead of a scan of the whole context (same answers: tested
+    against find_continuation). Successive contexts are prefix views of one growing buffer (the decode
+    loop's committed tokens); another buffer, or a shorter context, starts the index over."""
+
+    def __init__(self, params: LookupParams) -> None:
+        self.params = params
+        self.reset()
+
+    def reset(self) -> None:
+        self.seq: list[int] = []  # the context seen so far
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram → end (exclusive) of its latest occurrence
+        self.indexed = 0  # n-grams ending (exclusive) before this are in ``ends``
+        self.source = 0  # data_ptr of the token buffer the context is a prefix view of
+
+    def continuation(self, tokens: torch.Tensor) -> list[int]:
+        """The continuation (≤ num_pred_tokens ids) of ``tokens`` ((t,) long, host), [] when none."""
+        t, p = tokens.numel(), self.params
+        if t < len(self.seq) or tokens.data_ptr() != self.source:
+            self.reset()  # not a longer view of the buffer indexed so far (the decode loop's): start over
+            self.source = tokens.data_ptr()
+        self.seq += tokens[len(self.seq) : t].tolist()
+        seq, ends = self.seq, self.ends
+        for end in range(self.indexed, t):  # an n-gram ending before t has a successor
+            for n in range(p.min_ngram_size, min(p.max_ngram_size, end) + 1):
+                ends[tuple(seq[end - n : end])] = end
+        self.indexed = max(self.indexed, t)
+        for n in range(min(p.max_ngram_size, t - 1), p.min_ngram_size - 1, -1):
+            start = ends.get(tuple(seq[t - n :]))
+            if start is not None:
+                return seq[start : start + p.num_pred_tokens]
+        return []
+
+
 class PromptLookup:
     needs_hidden_states = False
 
     def __init__(self, params: LookupParams) -> None:
         self.params = params
+        self.index = NgramIndex(params)
         self._chains: dict[int, Tree] = {}
 
     @classmethod
@@ -64,14 +101,14 @@ class PromptLookup:
         return cls(LookupParams.from_method(method, tree))
 
     def reset(self, prompt: torch.Tensor) -> None:
-        pass
+        self.index.reset()
 
     def propose(self, ctx: DraftContext) -> Draft:
-        cont = find_continuation(ctx.tokens, self.params)[: max(ctx.max_new, 0)]
-        gamma = cont.numel()
+        cont = self.index.continuation(ctx.tokens)[: max(ctx.max_new, 0)]
+        gamma = len(cont)
         if gamma not in self._chains:
             self._chains[gamma] = Tree.chain(gamma)
-        return Draft(self._chains[gamma], torch.cat([ctx.tokens[-1:], cont]))
+        return Draft(self._chains[gamma], torch.tensor([int(ctx.tokens[-1]), *cont], dtype=torch.long))
 
     def feedback(self, fb: StepFeedback) -> None:
         pass
