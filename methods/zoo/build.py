@@ -60,9 +60,11 @@ PRESETS: dict[str, ZooConfig] = {
     # In minutes of training every model is still in its n-gram phase, where a 1x128 model trained on data
     # keeps up with the 6x384 one (held-out code ppl 64 vs 71 in a trial): the draft learns the target's
     # distribution instead, as a draft should (greedy α 0.48 → 0.69 on held-out code). Trials of the recipe
-    # (same seed): target 1400 / draft 1000 steps: code ppl 75.8, loop rate code 7/16, prose 0/16; 1650 / 900
-    # (this preset): code ppl 69.2, loops code 1/16, prose 9/16 — greedy loops of a model this weak flip
-    # between prompts from one build to the next; see `python -m methods.zoo report`.
+    # (same seed): target 1400 / draft 1000 steps: code ppl 75.8, loop rate code 7/16, prose 0/16; 1500 / 800:
+    # code ppl 72.2, loops code 8/16, prose 15/16; 1650 / 900 (this preset): code ppl 69.2, loops code 1/16,
+    # prose 9/16 (5/48 and 21/48 on 48 prompts) — greedy loops of a model this weak flip between prompts from
+    # one build to the next; see `python -m methods.zoo report`. Build: 578 s, and 659 s in a slower hour of
+    # this shared machine (0.30 vs 0.27 s per target step).
     "default": ZooConfig(
         name="default",
         target=ModelSpec(n_layers=6, hidden_size=384, n_heads=6, intermediate_size=1024, steps=1650,
