@@ -192,17 +192,29 @@ def law_depths(run: _Run) -> int:
     return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
 
 
-def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None) -> list[Star]:
-    """Drafters without a law here: the root's children of their own proposal at each position (stateless
-    drafters such as prompt lookup; verification feedback is not given)."""
+def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None
+              ) -> list[tuple[int, int, Star]]:
+    """Drafters without a law here (stateless ones such as prompt lookup; verification feedback is not
+    given): their own proposal at each position, followed along the trajectory. Returns (depth, parent
+    position, star): the root's children at depth 1, and at depth d the children of the depth-(d-1) node
+    that equals the trajectory's token — the prefix a verification accepted — down to the depth tree's
+    depth. A node without children there is an empty star (the step ends: counted as none accepted)."""
     run.drafter.reset(seq[:n_prompt])
-    width, stars = run.cfg.calibration.width, []
-    for t in range(n_prompt - 1, seq.numel() - 1):
+    width, last, out = run.cfg.calibration.width, seq.numel() - 1, []
+    max_depth = max(1, run.tree.depth)
+    for t in range(n_prompt - 1, last):
         h = hidden[t - 1 : t] if hidden is not None and t >= 1 else None
-        draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, seq.numel() - 1 - t))
-        kids = sorted(draft.tree.children[0], key=lambda c: draft.tree.ranks[c])[:width]
-        stars.append(Star(draft.tokens[list(kids)], None if draft.q is None else draft.q[0]))
-    return stars
+        draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, last - t))
+        tree, node, depth = draft.tree, 0, 1
+        while depth <= max_depth and t + depth - 1 < last:
+            kids = sorted(tree.children[node], key=lambda c: tree.ranks[c])[:width]
+            q = None if draft.q is None else draft.q[node]
+            out.append((depth, t + depth - 1, Star(draft.tokens[list(kids)], q)))
+            match = [c for c in kids if int(draft.tokens[c]) == int(seq[t + depth])]
+            if not match:
+                break
+            node, depth = match[0], depth + 1
+    return out
 
 
 def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
@@ -222,19 +234,25 @@ def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
 
 def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     """Accepted ranks of the star trees, per depth: [0] at every position (the positional vector); [d-1] for
-    d >= 2 only for drafters whose depth-d children come from their own law (Medusa's head d), verified
-    against the target's law d-1 tokens further along the trajectory (the prefix the tree reached)."""
+    d >= 2 for drafters whose depth-d children come from their own law (Medusa's head d), verified against
+    the target's law d-1 tokens further along the trajectory (the prefix the tree reached), and for
+    proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
-    depths = law_depths(run) if law is not None else 1
+    depths = law_depths(run) if law is not None else max(1, run.tree.depth)
     ranks: list[list[int | None]] = [[] for _ in range(depths)]
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
         out = _forward_all(run.target, seq, hidden=want_hidden)
         if law is None:
-            p = probs(out.logits[roots], run.sampling)  # (T, V)
-            ranks[0] += star_ranks(p, seq[roots], _proposed(run, seq, n_prompt, out.hidden), rule, run.generator)
+            proposed = _proposed(run, seq, n_prompt, out.hidden)
+            for d in range(1, depths + 1):
+                at = [(pos, star) for depth, pos, star in proposed if depth == d]
+                if at:
+                    pos = torch.tensor([a for a, _ in at])
+                    ranks[d - 1] += star_ranks(probs(out.logits[pos], run.sampling), seq[pos],
+                                               [b for _, b in at], rule, run.generator)
         for d in range(1, depths + 1 if law is not None else 1):
             at = roots[: roots.numel() - (d - 1)]  # roots whose depth-d node is still inside the trajectory
             if at.numel() == 0:

@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 2  # bump when what a profile means changes: older files are then recalibrated
+PROFILE_FORMAT = 3  # bump when what a profile means changes: older files are then recalibrated
 
 
 @dataclass(frozen=True)

@@ -278,3 +278,39 @@ def test_depth_vectors_price_a_medusa_tree_below_the_positional_model(run_config
     assert here["cost_source"] == "measured" and preset["cost_source"] == "roofline"
     flat = dataclasses.replace(prof, acceptance_vectors_by_depth=())
     assert tree_predictions(cfg, flat, tree)[0]["predicted_tau"] > by_hand
+
+
+def test_proposals_are_followed_along_the_trajectory():
+    """A proposal drafter's depth-d star is the children of its depth-(d-1) node that matches the trajectory;
+    the walk stops at the first mismatch, and a node without children is an empty star (the step ends)."""
+    from types import SimpleNamespace
+
+    from methods.drafter import Draft
+    from specsim.tree import Tree
+
+    class Fixed:  # proposes the chain 7, 8 after every context; a second child 9 under the root
+        def reset(self, prompt):
+            pass
+
+        def propose(self, ctx):
+            tree = Tree.from_parents([-1, 0, 0, 1], [0, 0, 1, 0])
+            return Draft(tree, torch.tensor([int(ctx.tokens[-1]), 7, 9, 8]))
+
+    run = SimpleNamespace(drafter=Fixed(), cfg=SimpleNamespace(calibration=SimpleNamespace(width=4)),
+                          tree=Tree.chain(3), generator=torch.Generator())
+    seq = torch.tensor([1, 2, 7, 8, 5, 9])  # prompt (1, 2); the target then produced 7, 8, 5, 9
+    got = [(d, pos, star.children.tolist()) for d, pos, star in calibrate_module._proposed(run, seq, 2, None)]
+    assert got == [
+        (1, 1, [7, 9]), (2, 2, [8]), (3, 3, []),  # root 2: 7 matches, 8 matches, the chain ends: empty star
+        (1, 2, [7, 9]),  # root 7: the trajectory goes on with 8 — neither child
+        (1, 3, [7, 9]),  # root 8: next is 5
+        (1, 4, [7, 9])]  # root 5: 9 matches, but the trajectory has no token after it to verify depth 2
+
+
+def test_prompt_lookup_profile_has_vectors_per_depth(run_config, tiny_models, cache):
+    prof = measure_profile(run_config(*SMALL, "method=prompt_lookup", "tree.gamma=3"), tiny_models,
+                           show_progress=False)
+    assert 1 <= len(prof.acceptance_vectors_by_depth) <= 3
+    assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    for v in prof.acceptance_vectors_by_depth:
+        _valid_vector(v, 8)
