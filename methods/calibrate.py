@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from itertools import takewhile
@@ -186,22 +186,44 @@ Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), d
 LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
 
 
-def law_depths(run: _Run) -> int:
-    """Depths with their own proposal law: Medusa's heads (head d drafts depth d); 1 for a positional one."""
+def star_depths(run: _Run) -> int:
+    """Depths that get their own star vector: Medusa's heads (head d drafts depth d); for a proposal drafter
+    (no law here) the depth tree's depth; 1 for a positional law (the draft model)."""
+    if run.cfg.method.drafter not in LAWS:
+        return max(1, run.tree.depth)
     heads = getattr(run.drafter, "heads", None)
     return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
 
 
-def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None
+def _law_stars(
+    run: _Run, law: Law, rule: StarRule, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor,
+    depths: int,
+) -> Iterator[tuple[torch.Tensor, list[Star]]]:
+    """Per depth d = 1, 2, …: (parent positions, stars) drawn from the law of depth d at each root whose
+    depth-d node is still inside the trajectory; the parent token sits d-1 positions after the root."""
+    for d in range(1, depths + 1):
+        at = roots[: roots.numel() - (d - 1)]
+        yield at + d - 1, star_children(law(run, seq, target, at, d), run.cfg.calibration.width,
+                                        rule, run.sampling, run.generator)
+
+
+def _by_depth(proposed: list[tuple[int, int, Star]], depths: int
+              ) -> Iterator[tuple[torch.Tensor, list[Star]]]:
+    """_proposed's (depth, parent position, star) grouped per depth d = 1, 2, …, as _law_stars yields them."""
+    for d in range(1, depths + 1):
+        at = [(pos, star) for depth, pos, star in proposed if depth == d]
+        yield torch.tensor([pos for pos, _ in at], dtype=torch.long), [star for _, star in at]
+
+
+def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None, max_depth: int
               ) -> list[tuple[int, int, Star]]:
     """Drafters without a law here (stateless ones such as prompt lookup; verification feedback is not
     given): their own proposal at each position, followed along the trajectory. Returns (depth, parent
     position, star): the root's children at depth 1, and at depth d the children of the depth-(d-1) node
-    that equals the trajectory's token — the prefix a verification accepted — down to the depth tree's
-    depth. A node without children there is an empty star (the step ends: counted as none accepted)."""
+    that equals the trajectory's token — the prefix a verification accepted — down to ``max_depth``. A node
+    without children there is an empty star (the step ends: counted as none accepted)."""
     run.drafter.reset(seq[:n_prompt])
     width, last, out = run.cfg.calibration.width, seq.numel() - 1, []
-    max_depth = max(1, run.tree.depth)
     for t in range(n_prompt - 1, last):
         h = hidden[t - 1 : t] if hidden is not None and t >= 1 else None
         draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, last - t))
@@ -239,29 +261,18 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
-    depths = law_depths(run) if law is not None else max(1, run.tree.depth)
+    depths = star_depths(run)
     ranks: list[list[int | None]] = [[] for _ in range(depths)]
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
         out = _forward_all(run.target, seq, hidden=want_hidden)
-        if law is None:
-            proposed = _proposed(run, seq, n_prompt, out.hidden)
-            for d in range(1, depths + 1):
-                at = [(pos, star) for depth, pos, star in proposed if depth == d]
-                if at:
-                    pos = torch.tensor([a for a, _ in at])
-                    ranks[d - 1] += star_ranks(probs(out.logits[pos], run.sampling), seq[pos],
-                                               [b for _, b in at], rule, run.generator)
-        for d in range(1, depths + 1 if law is not None else 1):
-            at = roots[: roots.numel() - (d - 1)]  # roots whose depth-d node is still inside the trajectory
-            if at.numel() == 0:
-                continue
-            parent = at + d - 1  # where the depth-d node's parent token sits
-            stars = star_children(law(run, seq, out, at, d), run.cfg.calibration.width, rule, run.sampling,
-                                  run.generator)
-            ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], stars, rule,
-                                       run.generator)
+        stars = (_law_stars(run, law, rule, seq, out, roots, depths) if law is not None
+                 else _by_depth(_proposed(run, seq, n_prompt, out.hidden, depths), depths))
+        for d, (parent, group) in enumerate(stars, 1):  # verified against p after the parent token
+            if group:
+                ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
+                                           run.generator)
         run.bar.update()
     return ranks
 

@@ -90,10 +90,12 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     prompts = load_prompts(w, models.tokenizer, cfg.seed)
     tree, predictions, profile = None, {}, None
     if cfg.method.drafter != "autoregressive":  # the drafter's measured profile on this device (cached)
-        profile = ensure_profile(profile_config(cfg), models, show_progress=show_progress)
+        pcfg = profile_config(cfg)
+        profile = ensure_profile(pcfg, models, show_progress=show_progress)
+        predictions["profile_path"] = str(profile_path(pcfg))
     if TreeKind(cfg.tree.kind) == TreeKind.sequoia:  # the DP-optimal tree for this drafter's measured vector
         tree, here, preset = sequoia_tree_for(cfg, profile)
-        predictions = {**prediction_metrics(cfg, here, preset), "profile_path": str(profile_path(cfg))}
+        predictions.update(prediction_metrics(cfg, here, preset))
         cfg = sequoia_config(cfg, profile)  # measured vector; Sequoia's verifier (w/o replacement) at T > 0
         predictions["verifier_used"] = cfg.method.verifier.value
     if tree is None:
@@ -122,23 +124,23 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
-    prediction = simulate(cfg, tree=tree)  # the config's own acceptance model (no profile: autoregressive)
-    if profile is not None and not predictions:
-        predictions = {**prediction_metrics(cfg, *tree_predictions(cfg, profile, tree)),
-                       "profile_path": str(profile_path(profile_config(cfg)))}
-    if profile is not None:
+    if profile is None:  # autoregressive: nothing calibrated, the config's own model
+        pred = simulate(cfg, tree=tree)
+        predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}
+    else:
+        if "predicted_tau" not in predictions:  # not a Sequoia tree: predict the tree decoded with
+            predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, tree)))
+        by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
-                           profile_acceptance_vectors_by_depth=[list(v) for v in profile.acceptance_vectors_by_depth])
+                           profile_acceptance_vectors_by_depth=by_depth)
+    metrics.update(predictions)
     metrics.update({
-        "predicted_tau": prediction.predicted_tau,
-        "predicted_speedup": prediction.predicted_speedup,
         "tree_size": tree.size,
         "tree_depth": tree.depth,
         "lossless": cfg.method.lossless,
         "dtype": str(models.dtype).removeprefix("torch."),
         "device": str(models.device),
     })
-    metrics.update(predictions)
     return RunResult(metrics, samples)
 
 

@@ -67,7 +67,8 @@ class Profile:
         doc["t_n"] = {int(n): float(t) for n, t in doc["t_n"].items()}
         doc["acceptance_vector"] = tuple(doc["acceptance_vector"])
         doc["acceptance_by_depth"] = tuple(doc["acceptance_by_depth"])
-        doc["acceptance_vectors_by_depth"] = tuple(tuple(v) for v in doc.get("acceptance_vectors_by_depth", ()))
+        by_depth = doc.get("acceptance_vectors_by_depth", ())
+        doc["acceptance_vectors_by_depth"] = tuple(tuple(v) for v in by_depth)
         return cls(**doc)
 
 
@@ -239,12 +240,12 @@ def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector"
     a = out.method.acceptance
     if source == "by_depth" and profile.acceptance_by_depth:
         a.kind, a.by_depth, a.calibrated = AcceptanceKind.table, list(profile.acceptance_by_depth), True
-    elif source != "config" and profile.acceptance_vectors_by_depth:
-        a.kind, a.calibrated = AcceptanceKind.depth_vector, True
-        a.by_depth_vectors = [drafter_vector(cfg, v) for v in profile.acceptance_vectors_by_depth]
-        a.vector = drafter_vector(cfg, profile.acceptance_vector)
     elif source != "config":
-        a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile.acceptance_vector), True
+        a.kind, a.calibrated = AcceptanceKind.vector, True
+        a.vector = drafter_vector(cfg, profile.acceptance_vector)
+        if profile.acceptance_vectors_by_depth:
+            a.kind = AcceptanceKind.depth_vector
+            a.by_depth_vectors = [drafter_vector(cfg, v) for v in profile.acceptance_vectors_by_depth]
     return out
 
 
@@ -270,13 +271,12 @@ def sequoia_config(cfg: RunConfig, profile: Profile) -> RunConfig:
     TOPK, see :func:`drafter_vector`), and Sequoia's verifier — sampling without replacement — at
     temperature > 0; greedy on the top-k tree at 0. Methods verifying deterministic drafts (deterministic,
     typical) keep their verifier."""
-    out = copy.deepcopy(cfg)
-    if TreeKind(out.tree.kind) != TreeKind.sequoia:
-        out.tree = TreeConfig(name="sequoia", kind=TreeKind.sequoia, budgets=list(out.tree.budgets))
+    out = copy.deepcopy(profile_config(cfg))
     if profile.max_draft_depth:
         out.tree.max_depth = max(2, min(out.tree.max_depth, profile.max_draft_depth + 1))  # levels incl. root
     a = out.method.acceptance
-    a.kind, a.vector, a.calibrated = AcceptanceKind.vector, drafter_vector(cfg, profile.acceptance_vector), True
+    a.kind, a.calibrated = AcceptanceKind.vector, True
+    a.vector = drafter_vector(cfg, profile.acceptance_vector)
     if Verifier(out.method.verifier) not in (Verifier.deterministic, Verifier.typical):
         out.method.verifier = Verifier.sequoia if out.workload.temperature > 0 else Verifier.greedy
     return out

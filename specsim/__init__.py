@@ -30,9 +30,9 @@ from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
 __all__ = [
-    "AcceptanceModel", "CostModel", "DepthVectorAcceptance", "DraftCost", "GammaChoice", "IIDAcceptance", "MeasuredCost",
-    "ModelShape", "PositionalAcceptance", "PowerAcceptance", "Prediction", "Roofline", "TableAcceptance",
-    "TargetCost", "Tree",
+    "AcceptanceModel", "CostModel", "DepthVectorAcceptance", "DraftCost", "GammaChoice", "IIDAcceptance",
+    "MeasuredCost", "ModelShape", "PositionalAcceptance", "PowerAcceptance", "Prediction", "Roofline",
+    "TableAcceptance", "TargetCost", "Tree",
     "acceptance_from_config", "acceptance_vector", "accepted_length_law", "as_acceptance", "build_tree",
     "chain_expected_tokens", "empirical_law", "expected_tokens", "optimal_gamma", "path_probs", "sequoia",
     "simulate", "simulate_tau",

@@ -253,16 +253,19 @@ def _validate_method(m: MethodConfig) -> None:
     if a.kind == AcceptanceKind.table:
         _check(bool(a.by_depth), "method.acceptance.by_depth", "required when kind=table")
     if a.kind == AcceptanceKind.vector or a.vector:
-        v = a.vector
-        _check(len(v) >= 3, "method.acceptance.vector", "layout is [0, p_1, …, p_W, p_none]")
-        _check(all(x >= 0 for x in v), "method.acceptance.vector", "entries must be >= 0")
-        _check(abs(sum(v[1:]) - 1) < 1e-3, "method.acceptance.vector", f"p_1..p_none must sum to 1, got {sum(v[1:]):.4f}")
+        _check_vector(a.vector, "method.acceptance.vector")
     if a.kind == AcceptanceKind.depth_vector:
-        _check(bool(a.by_depth_vectors), "method.acceptance.by_depth_vectors", "required when kind=depth_vector")
-    for d, v in enumerate(a.by_depth_vectors, 1):
-        where = f"method.acceptance.by_depth_vectors[{d - 1}]"
-        _check(len(v) >= 3 and all(x >= 0 for x in v), where, "layout is [0, p_1, …, p_W, p_none], entries >= 0")
-        _check(abs(sum(v[1:]) - 1) < 1e-3, where, f"p_1..p_none of depth {d} must sum to 1, got {sum(v[1:]):.4f}")
+        key = "method.acceptance.by_depth_vectors"
+        _check(bool(a.by_depth_vectors), key, "required when kind=depth_vector")
+    for d, v in enumerate(a.by_depth_vectors):
+        _check_vector(v, f"method.acceptance.by_depth_vectors[{d}]")
+
+
+def _check_vector(v: list[float], key: str) -> None:
+    """Sequoia's layout [0, p_1, …, p_W, p_none]: entries >= 0, p_1..p_none summing to 1."""
+    _check(len(v) >= 3, key, "layout is [0, p_1, …, p_W, p_none]")
+    _check(all(x >= 0 for x in v), key, "entries must be >= 0")
+    _check(abs(sum(v[1:]) - 1) < 1e-3, key, f"p_1..p_none must sum to 1, got {sum(v[1:]):.4f}")
 
 
 def _validate_tree(t: TreeConfig) -> None:
@@ -275,7 +278,8 @@ def _validate_tree(t: TreeConfig) -> None:
     _check(t.top_k >= 1, "tree.top_k", f"must be >= 1, got {t.top_k}")
     if t.kind == TreeKind.medusa:
         _check(bool(t.paths), "tree.paths", "a medusa tree needs a non-empty list of paths")
-        _check(all(p and all(c >= 0 for c in p) for p in t.paths), "tree.paths", "paths are non-empty lists of choice indices >= 0")
+        _check(all(p and all(c >= 0 for c in p) for p in t.paths), "tree.paths",
+               "paths are non-empty lists of choice indices >= 0")
 
 
 def flat(cfg: RunConfig) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A multirun sweep killed halfway and re-run into the same sweep dir completes, duplicating nothing (issue 5).
+"""A multirun sweep killed halfway and re-run into the same sweep dir completes, without duplicates (issue 5).
 
 Simulate jobs are used (no torch, ~1 s each) so the kill lands between jobs of a real Hydra sweep; the
 resume logic in run.py is the same for measure jobs.
@@ -32,7 +32,8 @@ def _done(sweep_dir: Path) -> list[Path]:
 def test_killed_sweep_resumes_without_duplicates(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
-        _sweep_cmd(sweep), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        _sweep_cmd(sweep), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 240
     while len(_done(sweep)) < 3 and proc.poll() is None and time.monotonic() < deadline:

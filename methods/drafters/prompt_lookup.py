@@ -39,25 +39,12 @@ class LookupParams:
         return out
 
 
-def find_continuation(tokens: torch.Tensor, params: LookupParams) -> torch.Tensor:
-    """(k,) continuation of the most recent earlier occurrence of the longest matching suffix n-gram of
-    ``tokens`` ((t,) long, host), k ≤ num_pred_tokens; empty when nothing matches."""
-    t = tokens.numel()
-    for n in range(min(params.max_ngram_size, t - 1), params.min_ngram_size - 1, -1):
-        windows = tokens[: t - 1].unfold(0, n, 1)  # (t-n, n): every n-gram that has a successor
-        hits = (windows == tokens[t - n :]).all(-1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return tokens[start : start + params.num_pred_tokens]
-    return tokens[:0]
-
-
 class NgramIndex:
-    """Incremental :func:`find_continuation`: for each n in [min_ngram_size, max_ngram_size], the end of the
-    most recent occurrence of every n-gram that has a successor, updated with the tokens appended since the
-    last call — O(new tokens) per decode step instead of a scan of the whole context (same answers: tested
-    against find_continuation). Successive contexts are prefix views of one growing buffer (the decode
-    loop's committed tokens); another buffer, or a shorter context, starts the index over."""
+    """The lookup, incrementally: for each n in [min_ngram_size, max_ngram_size], the end of the most recent
+    occurrence of every n-gram that has a successor, updated with the tokens appended since the last call —
+    O(new tokens) per decode step instead of a scan of the whole context (same answers as the scan: tested
+    against one in tests/methods/test_prompt_lookup.py). Successive contexts are prefix views of one growing
+    buffer (the decode loop's committed tokens); another buffer, or a shorter context, starts it over."""
 
     def __init__(self, params: LookupParams) -> None:
         self.params = params
@@ -66,7 +53,6 @@ class NgramIndex:
     def reset(self) -> None:
         self.seq: list[int] = []  # the context seen so far
         self.ends: dict[tuple[int, ...], int] = {}  # n-gram → end (exclusive) of its latest occurrence
-        self.indexed = 0  # n-grams ending (exclusive) before this are in ``ends``
         self.source = 0  # data_ptr of the token buffer the context is a prefix view of
 
     def continuation(self, tokens: torch.Tensor) -> list[int]:
@@ -75,12 +61,12 @@ class NgramIndex:
         if t < len(self.seq) or tokens.data_ptr() != self.source:
             self.reset()  # not a longer view of the buffer indexed so far (the decode loop's): start over
             self.source = tokens.data_ptr()
-        self.seq += tokens[len(self.seq) : t].tolist()
+        indexed = len(self.seq)  # n-grams ending (exclusive) before the known context's end are in ``ends``
+        self.seq += tokens[indexed:t].tolist()
         seq, ends = self.seq, self.ends
-        for end in range(self.indexed, t):  # an n-gram ending before t has a successor
+        for end in range(indexed, t):  # an n-gram ending before t has a successor
             for n in range(p.min_ngram_size, min(p.max_ngram_size, end) + 1):
                 ends[tuple(seq[end - n : end])] = end
-        self.indexed = max(self.indexed, t)
         for n in range(min(p.max_ngram_size, t - 1), p.min_ngram_size - 1, -1):
             start = ends.get(tuple(seq[t - n :]))
             if start is not None:

@@ -26,8 +26,8 @@ from methods.profiles import (
     Profile,
     apply_profile,
     ensure_profile,
-    measured_acceptance,
     load_profile,
+    measured_acceptance,
     prediction_metrics,
     profile_key,
     profile_path,
@@ -266,7 +266,8 @@ def test_depth_vectors_price_a_medusa_tree_below_the_positional_model(run_config
     from specsim.tree import Tree
 
     head1, head2 = (0.0, 0.5, 0.2, 0.1, 0.2), (0.0, 0.25, 0.15, 0.1, 0.5)
-    prof = dataclasses.replace(_profile(), acceptance_vector=head1, acceptance_vectors_by_depth=(head1, head2))
+    prof = dataclasses.replace(_profile(), acceptance_vector=head1,
+                               acceptance_vectors_by_depth=(head1, head2))
     cfg = run_config("method=medusa", "method.params.top_k=2", "hardware=a100")
     a = measured_acceptance(cfg, prof).method.acceptance
     assert a.kind.value == "depth_vector"
@@ -299,7 +300,8 @@ def test_proposals_are_followed_along_the_trajectory():
     run = SimpleNamespace(drafter=Fixed(), cfg=SimpleNamespace(calibration=SimpleNamespace(width=4)),
                           tree=Tree.chain(3), generator=torch.Generator())
     seq = torch.tensor([1, 2, 7, 8, 5, 9])  # prompt (1, 2); the target then produced 7, 8, 5, 9
-    got = [(d, pos, star.children.tolist()) for d, pos, star in calibrate_module._proposed(run, seq, 2, None)]
+    proposed = calibrate_module._proposed(run, seq, 2, None, 3)
+    got = [(d, pos, star.children.tolist()) for d, pos, star in proposed]
     assert got == [
         (1, 1, [7, 9]), (2, 2, [8]), (3, 3, []),  # root 2: 7 matches, 8 matches, the chain ends: empty star
         (1, 2, [7, 9]),  # root 7: the trajectory goes on with 8 — neither child

@@ -6,7 +6,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from methods.drafters.prompt_lookup import LookupParams, NgramIndex, find_continuation
+from methods.drafters.prompt_lookup import LookupParams, NgramIndex
+
+
+def find_continuation(tokens: torch.Tensor, params: LookupParams) -> torch.Tensor:
+    """The reference, a scan of the whole context: (k,) continuation of the most recent earlier occurrence of
+    the longest matching suffix n-gram of ``tokens`` ((t,) long, host), k ≤ num_pred_tokens; empty when
+    nothing matches."""
+    t = tokens.numel()
+    for n in range(min(params.max_ngram_size, t - 1), params.min_ngram_size - 1, -1):
+        windows = tokens[: t - 1].unfold(0, n, 1)  # (t-n, n): every n-gram that has a successor
+        hits = (windows == tokens[t - n :]).all(-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return tokens[start : start + params.num_pred_tokens]
+    return tokens[:0]
 
 
 def test_most_recent_longest_match():

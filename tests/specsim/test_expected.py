@@ -142,7 +142,8 @@ def test_depth_vectors_are_per_depth_positional_models():
     np.testing.assert_allclose(m.positional_vector(), DEMO_LIKE)  # depth 1: what Sequoia's DP is given
     same = DepthVectorAcceptance((DEMO_LIKE, DEMO_LIKE, DEMO_LIKE))
     for tree in TREES:
-        assert expected_tokens(tree, same) == pytest.approx(expected_tokens(tree, PositionalAcceptance(DEMO_LIKE)))
+        positional = expected_tokens(tree, PositionalAcceptance(DEMO_LIKE))
+        assert expected_tokens(tree, same) == pytest.approx(positional)
         assert expected_tokens(tree, m) < expected_tokens(tree, PositionalAcceptance(DEMO_LIKE))
     cfg = AcceptanceConfig(kind=AcceptanceKind.depth_vector, by_depth_vectors=[list(DEMO_LIKE), list(head2)])
     assert from_config(cfg) == m
