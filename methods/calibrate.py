@@ -42,6 +42,7 @@ from methods.profiles import (
 )
 from methods.registry import build_drafter
 from methods.sampling import SamplingParams, probs
+from methods.timing import forward_times, verify_times
 from methods.verify import verify
 from methods.workloads import load_prompts
 from specsim.acceptance import from_config
@@ -296,40 +297,6 @@ def _depth_run(run: _Run) -> tuple[AcceptStats, float, float]:
 
 
 @torch.inference_mode()
-def forward_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int], reps: int, warmup: int,
-                  seed: int = 0) -> dict[int, list[float]]:
-    """Seconds of ``reps`` tree forwards (methods.engine.forward_tree, the loop's verify) over n tokens after
-    ``context`` (T,) committed tokens, for n in ``sizes``, after ``warmup`` untimed rounds. Star-shaped trees:
-    the cost depends on n, not on the shape. Each round times every size once, so a slow drift of a shared
-    machine hits all sizes alike."""
-    engine.reset()
-    engine.prefill(context)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = int(engine.model.config.get_text_config().vocab_size)
-    trees = {n: Tree.from_parents([-1] + [0] * (n - 1)) for n in sizes}
-    tokens = {n: torch.randint(vocab, (n,), generator=gen) for n in sizes}
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(warmup + reps):
-        for n in sizes:
-            sync()
-            t0 = time.perf_counter()
-            engine.forward_tree(tokens[n], trees[n])
-            sync()
-            dt = time.perf_counter() - t0
-            engine.drop_pending()
-            if r >= warmup:
-                times[n].append(dt)
-    return times
-
-
-def verify_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int], reps: int, warmup: int,
-                 seed: int = 0) -> dict[int, float]:
-    """t(n): the median of :func:`forward_times` for each n."""
-    times = forward_times(engine, context, sizes, reps, warmup, seed)
-    return {n: statistics.median(v) for n, v in times.items()}
-
-
 def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
     cal, w = cfg.calibration, cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)

@@ -94,10 +94,13 @@ class BufferLayer(DynamicLayer):
 class ModelEngine:
     """Owns the KV cache of one sequence on one model. All methods run under ``torch.inference_mode``."""
 
-    def __init__(self, model: PreTrainedModel, capacity: int | None = None, fast: bool = True):
+    def __init__(self, model: PreTrainedModel, capacity: int | None = None, fast: bool = True,
+                 pack: bool | None = None):
+        """``fast``: the lean Llama forward where the model supports it; ``pack``: its oneDNN-prepacked CPU
+        projections (None = where they work, see ``methods.fast_llama``)."""
         self.model = model
         cpu_fp32_attention = torch.float32 if model.device.type == "cpu" else None
-        self.fast = FastLlama(model, cpu_fp32_attention) if fast and supports_fast(model) else None
+        self.fast = FastLlama(model, cpu_fp32_attention, pack) if fast and supports_fast(model) else None
         self.base = model.base_model  # the decoder stack (LlamaModel, GPT2Model, GPTNeoXModel, ...)
         self.head = model.get_output_embeddings()
         self.context = context_length(model)
@@ -200,7 +203,8 @@ class ModelEngine:
             ).last_hidden_state[0]  # (n, H)
         if bias is not None:  # the tree block of the mask becomes prefix columns later: restore zeros
             mask[0, 0, :, self.length :].zero_()
-        logits = self.head(h[-1:] if last_only else h).float()  # (n or 1, V)
+        h_out = h[-1:] if last_only else h  # (n or 1, H)
+        logits = (self.fast.logits(h_out) if self.fast is not None else self.head(h_out)).float()
         return ForwardOut(logits, h if hidden else None)
 
     def _mask_view(self, n: int, start: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 3  # bump when what a profile means changes: older files are then recalibrated
+PROFILE_FORMAT = 4  # bump when what a profile means changes (4: t(n) of the prepacked CPU projections)
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,15 @@ def key_document(cfg: RunConfig) -> dict[str, Any]:
                      "temperature": w.temperature, "top_k": w.top_k, "top_p": w.top_p},
         "device": device_name(cfg.device),
         "threads": _threads(cfg.device),  # t(n) on a CPU depends on torch's thread count
+        "torch": _torch_version(),  # ... and on its kernels
         "width": cfg.calibration.width,
     }
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _threads(device: str) -> int | None:

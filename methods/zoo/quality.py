@@ -11,12 +11,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from methods.workloads import load_prompts
 from methods.zoo.corpus import corpus
@@ -119,37 +117,17 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
 
 
 # ---- verification cost t(n) ---------------------------------------------------------------------------
-@torch.inference_mode()
 def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: int = 7) -> dict[int, float]:
-    """Median wall time (ms) of one forward over n new tokens after a ``context``-token KV cache, for n in
-    ``sizes``, in bf16: what verifying an n-node draft tree costs. Masks are 4D float (1, 1, n, context + n)
-    with explicit positions, as the decode loop passes them; the mask's content does not change the cost.
-    Two untimed rounds over all sizes first (the first calls of a shape pay one-time costs), then ``reps``
-    timed rounds, sizes interleaved so that drift in the machine's load spreads over all of them."""
+    """Median wall time (ms) of the decode loop's verify forward over n tree tokens after a ``context``-token
+    cache, for n in ``sizes``, on a bf16 copy of ``model``: ``methods.timing.verify_times``, the same timer
+    as ``task=calibrate`` (two untimed rounds over all sizes, then ``reps`` rounds, sizes interleaved)."""
+    from methods.engine import ModelEngine
+    from methods.timing import verify_times
+
     m = copy.deepcopy(model).to(torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache()
-    m(input_ids=torch.randint(0, m.config.vocab_size, (1, context), generator=gen), past_key_values=cache,
-      use_cache=True)
-    calls = {n: _tree_call(m, n, context, gen) for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rnd in range(reps + 2):
-        for n, kwargs in calls.items():
-            t0 = time.perf_counter()
-            m(**kwargs, past_key_values=cache, use_cache=True)
-            dt = time.perf_counter() - t0
-            cache.crop(-n)  # negative count: drop the n tokens just appended
-            if rnd >= 2:
-                times[n].append(dt)
-    return {n: 1e3 * statistics.median(t) for n, t in times.items()}
-
-
-def _tree_call(m: PreTrainedModel, n: int, context: int, gen: torch.Generator) -> dict:
-    """Inputs of a forward over n draft-tree tokens after ``context`` cached ones (a chain-shaped tree)."""
-    mask = torch.zeros(1, 1, n, context + n, dtype=torch.bfloat16)  # (1, 1, n, P + n) additive
-    mask[..., context:] = torch.full((n, n), torch.finfo(torch.bfloat16).min).triu(1)
-    return {"input_ids": torch.randint(0, m.config.vocab_size, (1, n), generator=gen), "attention_mask": mask,
-            "position_ids": torch.arange(context, context + n)[None]}
+    ids = torch.randint(0, m.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    times = verify_times(ModelEngine(m, capacity=context + max(sizes)), ids, sizes, reps, warmup=2)
+    return {n: 1e3 * t for n, t in times.items()}
 
 
 # ---- the zoo's report ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from methods.engine import ModelEngine
+from methods.fast_llama import can_pack
 from specsim.tree import Tree
 
 ATOL = 1e-4
@@ -26,15 +27,18 @@ def random_tree(n: int, seed: int) -> Tree:
     return Tree.from_parents([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["lean", "hf"])
+@pytest.mark.parametrize(("fast", "pack"), [(True, None), (True, False), (False, None)],
+                         ids=["lean-packed", "lean-plain", "hf"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tree_forward_equals_path_forwards(tiny_target, fast, seed):
+def test_tree_forward_equals_path_forwards(tiny_target, fast, pack, seed):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 300, (13,), generator=g).tolist()
     tree = random_tree(12, seed)
     tokens = torch.randint(0, 300, (tree.size,), generator=g)
-    engine = ModelEngine(tiny_target, fast=fast)
+    engine = ModelEngine(tiny_target, fast=fast, pack=pack)
     assert (engine.fast is not None) == fast
+    if fast:
+        assert engine.fast.packed == (can_pack(tiny_target) if pack is None else pack)
     engine.prefill(torch.tensor(prompt[:-1]))
     tokens[0] = prompt[-1]
     out = engine.forward_tree(tokens, tree, hidden=True)
@@ -145,13 +149,39 @@ def test_lean_bf16_forward_is_close_to_hf(tiny_target):
     assert (a - b).abs().max() < 0.05 * scale
 
 
-def test_in_place_weight_loads_reach_every_engine(tiny_target):
-    """Fusing is idempotent and shares storage: a later load_state_dict (e.g. Medusa-2's jointly trained
-    target) changes what every engine on the model computes."""
+def test_cpu_weights_are_prepacked_here(tiny_target):
+    """This CI machine's torch has oneDNN: the CPU engines run prepacked projections (the speed the
+    benchmarks report), in fp32 and bf16."""
+    import copy
+
+    assert can_pack(tiny_target) and ModelEngine(tiny_target).fast.packed
+    assert ModelEngine(copy.deepcopy(tiny_target).to(torch.bfloat16)).fast.packed
+
+
+def test_packed_bf16_projections_match_plain_ones(tiny_target):
+    """bf16: the prepacked forward gives the plain lean forward's logits (to bf16 rounding: bit-identical on
+    the CPUs measured) and the same greedy choices, prefill and tree alike."""
+    import copy
+
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    packed, plain = ModelEngine(model, pack=True), ModelEngine(model, pack=False)
+    ids, tree = torch.arange(40, 80), random_tree(9, 3)
+    tokens = torch.randint(0, 300, (tree.size,), generator=torch.Generator().manual_seed(3))
+    for engine in (packed, plain):
+        engine.prefill(ids)
+    a, b = packed.forward_tree(tokens, tree).logits, plain.forward_tree(tokens, tree).logits
+    torch.testing.assert_close(a, b, atol=0.02 * b.abs().max().item(), rtol=0)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
+def test_in_place_weight_loads_reach_every_engine(tiny_target, pack):
+    """Fusing is idempotent and shares storage, packed copies follow the parameters' version counters: a
+    later load_state_dict (e.g. Medusa-2's jointly trained target) changes what every engine computes."""
     import copy
 
     model = copy.deepcopy(tiny_target)
-    first, second = ModelEngine(model), ModelEngine(model)
+    first, second = ModelEngine(model, pack=pack), ModelEngine(model, pack=pack)
     other = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(other)
     ids = list(range(70, 90))
