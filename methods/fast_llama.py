@@ -140,8 +140,10 @@ class FastLlama:
         if self.packed:
             self.linear = _packed_linear
             # the HF parameters (not the fused tensors: a Parameter re-pointed with .data keeps its own
-            # version counter), whose in-place updates must reach the packed copies
-            self._watched = [p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in [m.weight]]
+            # version counter), whose in-place updates must reach the packed copies. Inference tensors (a
+            # model loaded under inference_mode) have no version counter: their updates cannot be seen.
+            self._watched = [m.weight for m in model.modules()
+                             if isinstance(m, torch.nn.Linear) and not m.weight.is_inference()]
             self._repack()
         positions = torch.arange(cfg.max_position_embeddings, device=model.device)[None]
         with torch.no_grad():  # HF's own rotary module: the same rope type, scaling and dtype cast

@@ -188,3 +188,16 @@ def test_in_place_weight_loads_reach_every_engine(tiny_target, pack):
     want = reference_logits(model, ids)
     for engine in (first, second):
         torch.testing.assert_close(engine.prefill(torch.tensor(ids)).logits[0], want, atol=ATOL, rtol=0)
+
+
+def test_model_made_under_inference_mode_gets_an_engine(tiny_target):
+    """Parameters created under inference_mode have no version counter (e.g. a model loaded inside it): the
+    packed engine still builds and computes the model's logits."""
+    import copy
+
+    with torch.inference_mode():
+        model = copy.deepcopy(tiny_target)
+        engine = ModelEngine(model)
+        out = engine.prefill(torch.arange(10, 30))
+    torch.testing.assert_close(out.logits[0], reference_logits(tiny_target, list(range(10, 30))), atol=ATOL,
+                               rtol=0)
