@@ -241,18 +241,19 @@ def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor 
 
 
 def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
-    """The target's own continuations (prompt + generated) and the loop's autoregressive step time."""
+    """The target's own continuations (prompt + generated) and the loop's autoregressive step time: the whole
+    step (forward, verification, the loop's per-step bookkeeping), what a measured baseline pays per token."""
     cal, s = run.cfg.calibration, run.sampling
     opts = DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, cal.new_tokens, run.eos)
     if cal.warmup:
         decode(run.target, Autoregressive(), run.prompts[0], replace(opts, max_new_tokens=4), run.generator)
-    seqs, verify_s, forwards = [], 0.0, 0
+    seqs, step_s, forwards = [], 0.0, 0
     for ids in run.prompts:
         r = decode(run.target, Autoregressive(), ids, opts, run.generator)
         seqs.append(torch.cat([ids, torch.tensor(r.token_ids, dtype=torch.long)]))
-        verify_s, forwards = verify_s + r.time_verify_s, forwards + r.n_target_forwards
+        step_s, forwards = step_s + r.time_total_s - r.time_prefill_s, forwards + r.n_target_forwards
         run.bar.update()
-    return seqs, verify_s / max(forwards, 1)
+    return seqs, step_s / max(forwards, 1)
 
 
 def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:

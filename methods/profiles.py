@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 4  # bump when what a profile means changes (4: t(n) of the prepacked CPU projections)
+PROFILE_FORMAT = 5  # bump when what a profile means changes (4: prepacked CPU projections; 5: t_AR = whole step)
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,8 @@ def ensure_profile(
 # ---- the simulator's view -----------------------------------------------------------------------------
 def to_measured_cost(profile: Profile) -> MeasuredCost:
     """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``),
-    with t(1) — the simulator's t_AR — taken from the decode loop's own autoregressive steps (``t_ar_s``):
+    with t(1) — the simulator's t_AR — taken from the decode loop's own autoregressive steps (``t_ar_s``, whole
+    steps: forward, verification and the loop's bookkeeping, as a measured baseline pays them):
     the calibration times n = 1 right after the largest tree of the previous round, cache-cold, which read
     25-30% slower than the loop's back-to-back steps on this CPU (4.05 vs 3.12 ms) and inflated every
     predicted speedup by as much. The draft time goes into the config: see :func:`apply_profile`."""
