@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 5  # bump when what a profile means changes (4: prepacked CPU projections; 5: t_AR = whole step)
+PROFILE_FORMAT = 6  # bump when what a profile means changes (4: packed projections; 5: t_AR whole step; 6: warm t(n))
 
 
 @dataclass(frozen=True)

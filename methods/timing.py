@@ -21,7 +21,9 @@ def forward_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[in
     """Seconds of ``reps`` tree forwards (methods.engine.forward_tree, the loop's verify) over n tokens after
     ``context`` (T,) committed tokens, for n in ``sizes``, after ``warmup`` untimed rounds. Star-shaped trees:
     the cost depends on n, not on the shape. Each round times every size once, so a slow drift of a shared
-    machine hits all sizes alike."""
+    machine hits all sizes alike; each timed forward follows an untimed one of the same size, warm as the
+    loop's back-to-back steps are (timed right after the largest size, t(1..8) of the zoo target read up to
+    50% slow: caches full of the other size's activations)."""
     engine.reset()
     engine.prefill(context)
     gen = torch.Generator().manual_seed(seed)
@@ -32,6 +34,8 @@ def forward_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[in
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(warmup + reps):
         for n in sizes:
+            engine.forward_tree(tokens[n], trees[n])  # untimed: the same size just before, as in the loop
+            engine.drop_pending()
             sync()
             t0 = time.perf_counter()
             engine.forward_tree(tokens[n], trees[n])
