@@ -279,22 +279,24 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     return ranks
 
 
-def _depth_run(run: _Run) -> tuple[AcceptStats, float, float]:
+def _depth_run(run: _Run) -> tuple[AcceptStats, float, float, float]:
     """The drafter's chain/tree through the real loop: acceptance stats, seconds per draft step (one
-    draft forward per level, or one pass for a single-pass drafter) and per speculation step."""
+    draft forward per level, or one pass for a single-pass drafter), per speculation step, and the loop's
+    verification seconds per step (the target's forward, verification, commit)."""
     cal, m = run.cfg.calibration, run.cfg.method
     opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
     if cal.warmup:
         decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
-    stats, draft_s, steps = AcceptStats(), 0.0, 0
+    stats, draft_s, verify_s, steps = AcceptStats(), 0.0, 0.0, 0
     for ids in run.prompts[: cal.depth_prompts]:
         r = decode(run.target, run.drafter, ids, opts, run.generator)
         stats.merge(r.stats)
-        draft_s, steps = draft_s + r.time_draft_s, steps + r.n_target_forwards
+        draft_s, verify_s = draft_s + r.time_draft_s, verify_s + r.time_verify_s
+        steps += r.n_target_forwards
         run.bar.update()
     per_step = draft_s / max(steps, 1) if run.tree.depth > 0 else 0.0
     levels = run.tree.depth if m.draft_steps == "depth" else 1
-    return stats, per_step / max(levels, 1), per_step
+    return stats, per_step / max(levels, 1), per_step, verify_s / max(steps, 1)
 
 
 @torch.inference_mode()
@@ -320,6 +322,7 @@ class _Measured:
     t_ar: float
     draft_step: float
     spec_step: float
+    verify_step: float  # the loop's verification per speculation step (forward included)
     times: dict[int, list[float]]  # n → forward seconds
     context: int
     setup_s: float
@@ -331,13 +334,13 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
     seqs, t_ar = _trajectories(run)
     ranks = _star_ranks(run, seqs)
-    stats, draft_step, spec_step = _depth_run(run)
+    stats, draft_step, spec_step, verify_step = _depth_run(run)
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    sizes = sorted({1, *(int(b) for b in cfg.tree.budgets)})
+    sizes = sorted({1, run.tree.size, *(int(b) for b in cfg.tree.budgets)})  # the loop's tree: its overhead
     times = forward_times(run.target, context, sizes, cal.reps, cal.warmup, cfg.seed)
     bar.update()
-    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, times, ctx, setup_s)
+    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, verify_step, times, ctx, setup_s)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -354,6 +357,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
         "draft_steps": cfg.method.draft_steps, "draft_per_speculation_step_s": m.spec_step,
+        "verify_per_speculation_step_s": m.verify_step,
         "context_tokens": m.context, "reps": cfg.calibration.reps, "t_n_quartiles_s": quartiles,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
@@ -373,12 +377,14 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
         print(f"calibrate: the machine was busy (1-min load up to {max(extra['loadavg_1min']):.1f} on "
               f"{os.cpu_count()} CPUs): t(n) and the draft time are likely inflated", file=sys.stderr)
     heads = getattr(run.drafter, "heads", None)  # Medusa: the tree cannot be deeper than its heads
+    t_n = {n: statistics.median(v) for n, v in m.times.items()}
+    overhead = max(0.0, m.verify_step - t_n[run.tree.size]) if run.tree.size > 1 else 0.0
     return Profile(
         acceptance_vector=tuple(rank_vector(m.ranks[0], cal.width)),
         acceptance_vectors_by_depth=tuple(tuple(rank_vector(r, cal.width)) for r in takewhile(bool, m.ranks))
         if len(m.ranks) > 1 else (),
         acceptance_by_depth=tuple(m.stats.by_depth()),
-        t_n={n: statistics.median(v) for n, v in m.times.items()}, draft_time_s=m.draft_step, t_ar_s=m.t_ar,
+        t_n=t_n, draft_time_s=m.draft_step, t_ar_s=m.t_ar, verify_overhead_s=overhead,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
         n_positions=len(m.ranks[0]), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -415,6 +421,7 @@ def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, A
         "acceptance_vectors_by_depth": [list(v) for v in profile.acceptance_vectors_by_depth],
         "t_n_tokens": n, "t_n_s": [profile.t_n[k] for k in n],
         "draft_time_s": profile.draft_time_s, "t_ar_s": profile.t_ar_s,
+        "verify_overhead_s": profile.verify_overhead_s,
         "width": profile.width, "n_positions": profile.n_positions,
         "loop_tau": profile.extra["loop_tau"], "calibration_seconds": profile.extra["seconds"],
         "device": profile.device, "dtype": profile.dtype,

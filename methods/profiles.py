@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 6  # bump when what a profile means changes (4: packed projections; 5: t_AR whole step; 6: warm t(n))
+PROFILE_FORMAT = 7  # bump when what a profile means (5: t_AR whole step, 6: warm t(n), 7: verify overhead)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Profile:
     extra: dict[str, Any] = field(default_factory=dict)  # counts, loop figures, timings of the calibration
     # one vector per depth for drafters whose depth-d children have their own law (Medusa: head d); else ()
     acceptance_vectors_by_depth: tuple[tuple[float, ...], ...] = ()
+    # per speculation step, the loop's verification work beyond the verify forward t(n): the target's choices,
+    # the accept walk, the KV commit, the bookkeeping (measured: loop verify time - t(n) of the loop's tree)
+    verify_overhead_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -227,14 +230,13 @@ def ensure_profile(
 # ---- the simulator's view -----------------------------------------------------------------------------
 def to_measured_cost(profile: Profile) -> MeasuredCost:
     """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``),
-    with t(1) — the simulator's t_AR — taken from the decode loop's own autoregressive steps (``t_ar_s``, whole
-    steps: forward, verification and the loop's bookkeeping, as a measured baseline pays them):
-    the calibration times n = 1 right after the largest tree of the previous round, cache-cold, which read
-    25-30% slower than the loop's back-to-back steps on this CPU (4.05 vs 3.12 ms) and inflated every
-    predicted speedup by as much. The draft time goes into the config: see :func:`apply_profile`."""
-    table = dict(profile.t_n)
+    priced as the decode loop pays it: t(1) — the simulator's t_AR — is the loop's own autoregressive step
+    (``t_ar_s``: forward, next token, commit, bookkeeping, as the measured baseline); a tree of n > 1 nodes
+    costs its verify forward plus the loop's measured verification overhead (``verify_overhead_s``). The
+    draft time goes into the config: see :func:`apply_profile`."""
+    table = {n: t + (profile.verify_overhead_s if n > 1 else 0.0) for n, t in profile.t_n.items()}
     if profile.t_ar_s > 0:
-        table[1] = profile.t_ar_s
+        table[1] = profile.t_ar_s  # the autoregressive step's own verification is in it already
     return MeasuredCost.from_mapping(table)
 
 

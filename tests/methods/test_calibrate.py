@@ -123,8 +123,11 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     monkeypatch.setattr(calibrate_module, "measure_profile", counting)
     prof = ensure_profile(cfg, tiny_models, show_progress=False)
     _valid_vector(prof.acceptance_vector, 8)
-    assert sorted(prof.t_n) == BUDGETS and all(t > 0 for t in prof.t_n.values())
+    loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
+    assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
+    overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
+    assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
     assert prof.acceptance_by_depth and all(0 <= a <= 1 for a in prof.acceptance_by_depth)
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
@@ -173,7 +176,9 @@ def test_calibrate_task_writes_profile_and_metrics(run_config, cache, tmp_path):
     assert read_json(tmp_path / "run" / "profile.json")["key"] == res.profile.key
     m = res.metrics
     _valid_vector(m["acceptance_vector"], 8)
-    assert m["t_n_tokens"] == BUDGETS and len(m["t_n_s"]) == len(BUDGETS)
+    sizes = sorted({*BUDGETS, res.profile.extra["loop_tree_size"]})
+    assert m["t_n_tokens"] == sizes and len(m["t_n_s"]) == len(sizes)
+    assert m["verify_overhead_s"] == res.profile.verify_overhead_s >= 0
     assert m["profile_path"] == str(res.path)
     assert 1 <= m["sequoia_tree_size"] <= max(BUDGETS) and m["sequoia_predicted_tau"] >= 1.0
     json.dumps(m)
@@ -185,6 +190,16 @@ def _profile(max_draft_depth: int = 0) -> Profile:
     return Profile((0.0, 0.6, 0.15, 0.05, 0.2), (0.6, 0.55), t_n, 1e-4, 1.1e-3, "zoo", "draft_model",
                    "code", "cpu:test", "bfloat16", 3, 100, "2024-01-01T00:00:00+00:00",
                    max_draft_depth=max_draft_depth)
+
+
+def test_measured_cost_prices_the_loop_step():
+    """t(1) = the loop's autoregressive step; trees pay their forward plus the verification overhead."""
+    prof = dataclasses.replace(_profile(), verify_overhead_s=2e-4)
+    cost = to_measured_cost(prof)
+    assert cost.time(1) == pytest.approx(prof.t_ar_s)
+    for n in (2, 8, 128):
+        assert cost.time(n) == pytest.approx(prof.t_n[n] + 2e-4)
+    assert to_measured_cost(_profile()).time(8) == pytest.approx(prof.t_n[8])
 
 
 @pytest.mark.parametrize("hardware", ["cpu", "a100"])
