@@ -61,14 +61,18 @@ PRESETS: dict[str, ZooConfig] = {
     # keeps up with the 6x384 one (held-out code ppl 64 vs 71 in a trial): the draft learns the target's
     # distribution instead, as a draft should (greedy α 0.48 → 0.69 on held-out code). Trials of the recipe
     # (same seed): target 1400 / draft 1000 steps: code ppl 75.8, loop rate code 7/16, prose 0/16; 1500 / 800:
-    # code ppl 72.2, loops code 8/16, prose 15/16; 1650 / 900 (this preset): code ppl 69.2, loops code 1/16,
-    # prose 9/16 (5/48 and 21/48 on 48 prompts) — greedy loops of a model this weak flip between prompts from
-    # one build to the next; see `python -m methods.zoo report`. Build: 578 s, and 659 s in a slower hour of
-    # this shared machine (0.30 vs 0.27 s per target step).
+    # code ppl 72.2, loops code 8/16, prose 15/16; 1650 / 900: code ppl 69.2, loops code 1/16, prose 9/16
+    # (on 48 prompts: code 5, prose 21, grounded 1) — greedy loops of a model this weak flip between prompts
+    # from one build to the next. Unlikelihood on prose (Welleck et al. 2020), 1650 / 900, loops out of 48
+    # prompts: negatives from the whole window: code 8, prose 0, grounded 13 (it unlearnt copying docstrings);
+    # from the last 32 tokens (this preset): code 6, prose 12, grounded 4; held-out ppl code 70.9, prose
+    # 123.3 (69.2 / 117.4 without). See `python -m methods.zoo report`. Build: 578-659 s without
+    # unlikelihood, 602-627 s with it, on this shared machine (0.27-0.30 s per target step).
     "default": ZooConfig(
         name="default",
         target=ModelSpec(n_layers=6, hidden_size=384, n_heads=6, intermediate_size=1024, steps=1650,
-                         batch_size=4, lr=2e-3, warmup=100),
+                         batch_size=4, lr=2e-3, warmup=100, unlikelihood=1.0,
+                         unlikelihood_window=32),
         draft=ModelSpec(n_layers=1, hidden_size=128, n_heads=4, intermediate_size=256, steps=900,
                         batch_size=4, lr=3e-3, warmup=100, distill=1.0),
     ),
@@ -117,12 +121,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECSIM_CACHE") or Path.home() / ".cache" / "specsim")
 
 
+_LATER_OPTIONS = ("unlikelihood", "unlikelihood_window")  # ModelSpec fields added after zoos were cached
+
+
 def zoo_key(cfg: ZooConfig) -> str:
     """Hash of everything that determines the built zoo."""
     from methods.zoo.corpus import CORPUS_VERSION
 
+    zoo = dataclasses.asdict(cfg)
+    for role in ("target", "draft"):  # recipe options added later hash only when used: older keys stay valid
+        if not zoo[role]["unlikelihood"]:
+            for name in _LATER_OPTIONS:
+                del zoo[role][name]
     blob = json.dumps(
-        {"zoo": dataclasses.asdict(cfg), "corpus": CORPUS_VERSION, "format": ZOO_FORMAT,
+        {"zoo": zoo, "corpus": CORPUS_VERSION, "format": ZOO_FORMAT,
          "python": sys.version.split()[0]},
         sort_keys=True,
     )
@@ -201,7 +213,7 @@ def build_zoo(cfg: ZooConfig, out: Path) -> dict:
 
 def _tokenize(cfg: ZooConfig, paths: ZooPaths):
     """Train and save the tokenizer on the train split's code; pack the training stream (code, plus the
-    split's prose documents when ``cfg.train_prose``). Returns (tokenizer, stream (T,), number of modules)."""
+    split's prose documents when ``cfg.train_prose``). Returns (tokenizer, Packed stream, modules)."""
     import torch
 
     from methods.zoo.corpus import corpus
@@ -213,11 +225,13 @@ def _tokenize(cfg: ZooConfig, paths: ZooPaths):
     _log(f"zoo {cfg.name}: tokenizer on {len(docs)} train modules ({sum(map(len, texts)) / 1e6:.1f} MB)")
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
     save_tokenizer(tokenizer, paths.tokenizer_dir)
+    n_code = len(texts)
     if cfg.train_prose:
         modules = {d.module for d in docs}
         texts += [d.text for d in corpus("train", "prose") if d.module in modules]
+    prose = [i >= n_code for i in range(len(texts))]
     stream = pack(encode_documents(tokenizer, texts), tokenizer.eos_token_id,
-                  torch.Generator().manual_seed(cfg.seed))
+                  torch.Generator().manual_seed(cfg.seed), prose)
     return tokenizer, stream, len(docs)
 
 

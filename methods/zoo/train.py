@@ -1,9 +1,10 @@
 """Training the zoo's Llama-architecture language models (target p and draft q) on packed corpus tokens.
 
-Plain next-token cross-entropy on random windows of one packed token stream (documents separated by
-<|endoftext|>), AdamW with linear warmup then cosine decay to 10%, gradient clipping, no dropout. The last
-steps use longer windows (same tokens per step) so positions up to ``long_seq_len`` are trained. A fixed
-step count (not a wall-clock budget) so a config gives the same model on any machine; tqdm shows the ETA.
+Next-token cross-entropy (optionally distillation from a teacher, and unlikelihood on prose positions) on
+random windows of one packed token stream (documents separated by <|endoftext|>), AdamW with linear warmup
+then cosine decay to 10%, gradient clipping, no dropout. The last steps use longer windows (same tokens
+per step) so positions up to ``long_seq_len`` are trained. A fixed step count (not a wall-clock budget) so
+a config gives the same model on any machine; tqdm shows the ETA.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class ModelSpec:
     # weight of distillation from a teacher (the zoo's target p) in the loss: (1-w)·CE(data) + w·CE(p, q)
     # (DistillSpec, Zhou et al. 2023: a draft trained on the target's distribution is accepted more often)
     distill: float = 0.0
+    # weight of token-level unlikelihood on prose positions (Welleck et al. 2020, "Neural text generation
+    # with unlikelihood training"): -Σ_{c in context, c != target} log(1 - p(c)), so a weak model stops
+    # preferring the words it has just written — its greedy prose falls into loops less. Prose only: code
+    # repeats its identifiers legitimately (and prompt lookup relies on it).
+    unlikelihood: float = 0.0
+    # negatives only among the last this many context tokens (0: the whole window). Loops are short cycles
+    # (period <= 16); copying from far back — a docstring repeated in the grounded workload — stays
+    # unpenalised: with the whole window as negatives the grounded loop rate rose from 1/48 to 13/48
+    unlikelihood_window: int = 0
 
 
 def llama_config(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: int) -> LlamaConfig:
@@ -62,20 +72,64 @@ def llama_config(spec: ModelSpec, vocab_size: int, eos_id: int, max_positions: i
     )
 
 
-def pack(docs: list[list[int]], eos_id: int, generator: torch.Generator) -> torch.Tensor:
-    """One long stream: documents in a seeded random order, each preceded by eos. (T,) long."""
+@dataclass(frozen=True)
+class Packed:
+    """The training stream: token ids and, per token, whether it belongs to a prose document."""
+
+    tokens: torch.Tensor  # (T,) long
+    prose: torch.Tensor  # (T,) bool
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def pack(docs: list[list[int]], eos_id: int, generator: torch.Generator,
+         prose: list[bool] | None = None) -> Packed:
+    """One long stream: documents in a seeded random order, each preceded by eos (which belongs to it)."""
     order = torch.randperm(len(docs), generator=generator).tolist()
     out: list[int] = []
+    flags: list[bool] = []
     for i in order:
         out.append(eos_id)
         out.extend(docs[i])
-    return torch.tensor(out, dtype=torch.long)
+        flags.extend([bool(prose and prose[i])] * (len(docs[i]) + 1))
+    return Packed(torch.tensor(out, dtype=torch.long), torch.tensor(flags, dtype=torch.bool))
+
+
+def window_starts(length: int, batch: int, seq_len: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, length - seq_len, (batch,), generator=generator).tolist()
+
+
+def windows_at(stream: torch.Tensor, starts: list[int], seq_len: int) -> torch.Tensor:
+    """(B, seq_len) windows of ``stream`` at ``starts``."""
+    return torch.stack([stream[s : s + seq_len] for s in starts])
 
 
 def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """Random windows of seq_len tokens. (B, seq_len)"""
-    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=generator)
-    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+    return windows_at(stream, window_starts(len(stream), batch, seq_len, generator), seq_len)
+
+
+def unlikelihood_loss(logq: torch.Tensor, x: torch.Tensor, where: torch.Tensor, window: int = 0
+                      ) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al. 2020) averaged over the positions ``where`` (B, T-1) bool:
+    at the position predicting x[:, t+1], the negatives are the window's tokens x[:, :t+1] (only the last
+    ``window`` of them when > 0) other than x[:, t+1]; loss -Σ_c log(1 - q(c)). logq: (B, T-1, V)
+    log-probabilities of the next token."""
+    rows = where.any(dim=1)  # only windows with such positions: prose is a minority of the stream
+    if not bool(rows.all()):
+        logq, x, where = logq[rows], x[rows], where[rows]
+    b, t1, v = logq.shape
+    onehot = torch.zeros(b, t1, v, dtype=torch.int16, device=logq.device)
+    onehot.scatter_(2, x[:, :-1, None], 1)
+    seen = onehot.cumsum(dim=1, dtype=torch.int16)  # occurrences in the context so far
+    if 0 < window < t1:
+        seen[:, window:] -= seen[:, :-window].clone()  # ... in the last ``window`` tokens only
+    seen = (seen > 0).to(logq.dtype)
+    seen.scatter_(2, x[:, 1:, None], 0.0)  # the true next token is no negative
+    per_pos = -(torch.log1p(-logq.exp().clamp(max=1 - 1e-5)) * seen).sum(-1)  # (B, T-1)
+    w = where.to(per_pos.dtype)
+    return (per_pos * w).sum() / w.sum().clamp_min(1.0)  # 0 without any such position
 
 
 @dataclass(frozen=True)
@@ -140,7 +194,7 @@ class TrainResult:
 def train_lm(
     model: LlamaForCausalLM,
     spec: ModelSpec,
-    stream: torch.Tensor,  # (T,) packed token ids
+    stream: Packed | torch.Tensor,  # packed token ids (with prose flags: needed for spec.unlikelihood)
     windows: Windows,
     seed: int,
     *,
@@ -150,6 +204,9 @@ def train_lm(
     """Train ``model`` in place for ``spec.steps`` steps on random windows of ``stream`` (distilling from
     ``teacher`` when ``spec.distill`` > 0). The logged loss is the data cross-entropy either way."""
     assert not spec.distill or teacher is not None, "spec.distill > 0 needs a teacher"
+    tokens = stream.tokens if isinstance(stream, Packed) else stream
+    prose = stream.prose if isinstance(stream, Packed) and spec.unlikelihood else None
+    assert not spec.unlikelihood or prose is not None, "spec.unlikelihood > 0 needs a Packed stream"
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay, eps=1e-8
@@ -163,8 +220,12 @@ def train_lm(
     with ThreadGovernor().active() as governor:
         for step in bar:
             governor.update(step)
-            x = sample_batch(stream, *windows.at(step, spec.steps, spec.batch_size), gen)  # (B, T)
-            losses.append(_step(model, opt, x, use_bf16, (teacher, spec.distill)))
+            batch, seq_len = windows.at(step, spec.steps, spec.batch_size)
+            starts = window_starts(len(tokens), batch, seq_len, gen)
+            x = windows_at(tokens, starts, seq_len)  # (B, T)
+            ul = None if prose is None else (windows_at(prose, starts, seq_len)[:, 1:], spec.unlikelihood,
+                                              spec.unlikelihood_window)
+            losses.append(_step(model, opt, x, use_bf16, (teacher, spec.distill), ul))
             sched.step()
             recent = losses[-20:]
             bar.set_postfix(loss=f"{sum(recent) / len(recent):.3f}", threads=torch.get_num_threads())
@@ -175,8 +236,10 @@ def train_lm(
 
 
 def _step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, use_bf16: bool,
-          distill: tuple[LlamaForCausalLM | None, float] = (None, 0.0)) -> float:
-    """One optimiser step on a batch of windows x: (B, T). Returns the data cross-entropy."""
+          distill: tuple[LlamaForCausalLM | None, float] = (None, 0.0),
+          unlikelihood: tuple[torch.Tensor, float, int] | None = None) -> float:
+    """One optimiser step on a batch of windows x: (B, T). ``unlikelihood``: (where (B, T-1) bool, weight,
+    window). Returns the data cross-entropy."""
     teacher, w = distill
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
         logq = model(input_ids=x).logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
@@ -186,6 +249,9 @@ def _step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, 
             with torch.no_grad():
                 p = teacher(input_ids=x).logits[:, :-1].float().softmax(-1)  # (B, T-1, V)
             loss = (1 - w) * data_ce + w * -(p * logq).sum(-1).mean()
+        if unlikelihood is not None:
+            where, alpha, window = unlikelihood
+            loss = loss + alpha * unlikelihood_loss(logq, x, where, window)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

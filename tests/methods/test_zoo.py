@@ -261,3 +261,61 @@ def test_distillation_pulls_the_draft_toward_the_teacher():
     assert agreement[1.0].greedy_alpha > agreement[0.0].greedy_alpha + 0.2
     with pytest.raises(AssertionError, match="teacher"):
         train_lm(_tiny_model(3), spec, stream, Windows(seq_len=16), seed=0)
+
+
+def test_unlikelihood_loss_by_hand():
+    """Uniform q over 5 tokens, x = 1 2 1 3: the negatives are {1}, {2}, {1, 2} at the three positions."""
+    from methods.zoo.train import unlikelihood_loss
+
+    x = torch.tensor([[1, 2, 1, 3]])
+    logq = torch.full((1, 3, 5), 0.2).log()
+    per = -math.log(0.8)
+    everywhere = torch.ones(1, 3, dtype=torch.bool)
+    assert unlikelihood_loss(logq, x, everywhere).item() == pytest.approx((1 + 1 + 2) / 3 * per, rel=1e-5)
+    last_only = torch.tensor([[False, False, True]])
+    assert unlikelihood_loss(logq, x, last_only).item() == pytest.approx(2 * per, rel=1e-5)
+    assert unlikelihood_loss(logq, x, torch.zeros(1, 3, dtype=torch.bool)).item() == 0.0
+    # only the last context token as negative: {1}, {2}, {1}
+    assert unlikelihood_loss(logq, x, everywhere, window=1).item() == pytest.approx(per, rel=1e-5)
+    assert unlikelihood_loss(logq, x, everywhere, window=2).item() == pytest.approx(4 / 3 * per, rel=1e-5)
+
+
+def test_pack_marks_prose_documents():
+    from methods.zoo.train import pack
+
+    packed = pack([[5, 6], [7], [8, 9, 10]], eos_id=0, generator=torch.Generator().manual_seed(0),
+                  prose=[False, True, False])
+    assert len(packed) == 9 and sorted(packed.tokens.tolist()) == [0, 0, 0, 5, 6, 7, 8, 9, 10]
+    starts = [i for i, t in enumerate(packed.tokens.tolist()) if t == 0]
+    for a, b in zip(starts, starts[1:] + [len(packed)]):  # each document with its eos: one flag
+        doc = packed.tokens[a + 1 : b].tolist()
+        assert packed.prose[a:b].tolist() == [doc == [7]] * (b - a)
+
+
+def test_unlikelihood_applies_on_prose_positions_only():
+    """Windows of distinct tokens (no token repeats in a document): trained with unlikelihood on prose
+    positions, a model puts less probability on tokens already in the window than without it; with no
+    prose in the stream the unlikelihood weight changes nothing."""
+    from methods.zoo.train import Packed, train_lm, unlikelihood_loss
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.cat([torch.randperm(63, generator=g) + 1 for _ in range(100)])
+    windows = torch.stack([tokens[s : s + 32] for s in range(0, 3000, 63)])
+    everywhere = torch.ones(windows.shape[0], 31, dtype=torch.bool)
+
+    def repeat_mass(prose_fraction: float, weight: float) -> float:
+        prose = torch.arange(len(tokens)) < prose_fraction * len(tokens)
+        spec = ModelSpec(n_layers=1, hidden_size=32, n_heads=2, intermediate_size=64, steps=100, batch_size=8,
+                         lr=1e-2, warmup=5, train_dtype="float32", unlikelihood=weight)
+        model = _tiny_model(4)
+        train_lm(model, spec, Packed(tokens, prose), Windows(seq_len=32), seed=0)
+        with torch.no_grad():
+            logq = model(input_ids=windows).logits[:, :-1].float().log_softmax(-1)
+        return unlikelihood_loss(logq, windows, everywhere).item()
+
+    plain = repeat_mass(1.0, 0.0)
+    assert repeat_mass(1.0, 2.0) < 0.9 * plain
+    assert repeat_mass(0.0, 2.0) == plain
+    spec = ModelSpec(n_layers=1, hidden_size=32, n_heads=2, intermediate_size=64, steps=1, unlikelihood=1.0)
+    with pytest.raises(AssertionError, match="Packed"):
+        train_lm(_tiny_model(4), spec, tokens, Windows(seq_len=32), seed=0)
