@@ -90,7 +90,10 @@ def ensure_medusa(
         entry.parent.mkdir(parents=True, exist_ok=True)
         with _lock(entry.with_suffix(".lock")):
             if not (entry / "report.json").exists():  # another process may have built it meanwhile
-                _build(target, tokenizer, cfg, ev, entry)
+                # training needs autograd even when the caller runs under inference_mode (a calibration or
+                # measure run building its drafter)
+                with torch.inference_mode(False), torch.enable_grad():
+                    _build(target, tokenizer, cfg, ev, entry)
     report = json.loads((entry / "report.json").read_text())
     target_dir = entry / "target" if (entry / "target").exists() else None
     return BuiltMedusa(entry, entry / "heads", target_dir, np.asarray(report["accuracy_generated"]), report)

@@ -452,7 +452,9 @@ def test_medusa1_on_micro_zoo_trains_reports_and_is_cached(micro, tmp_path, monk
 
     target, tok = micro
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    built = store.ensure_medusa(target, tok, TrainConfig(**MICRO_TRAIN), _micro_eval(), cache_root=tmp_path)
+    cfg, ev = TrainConfig(**MICRO_TRAIN), _micro_eval()
+    with torch.inference_mode():  # as a calibration builds its drafter: training must still get gradients
+        built = store.ensure_medusa(target, tok, cfg, ev, cache_root=tmp_path)
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())  # Medusa-1: target frozen
     r = built.report
     assert built.target_dir is None and r["medusa"] == 1
