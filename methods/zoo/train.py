@@ -10,6 +10,7 @@ a config gives the same model on any machine; tqdm shows the ETA.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import time
@@ -213,6 +214,10 @@ def train_lm(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, spec.warmup, spec.steps))
     use_bf16 = spec.train_dtype == "bfloat16"
+    if teacher is not None and spec.distill and use_bf16:
+        # a bf16 copy (not autocast, which re-casts every weight at every call): the teacher's forward, most
+        # of a draft step, 94 -> 63 ms for the zoo target on 2 cores
+        teacher = copy.deepcopy(teacher).to(torch.bfloat16).eval()
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()

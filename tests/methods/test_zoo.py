@@ -243,8 +243,10 @@ def test_thread_governor_backs_off_under_load_and_restores_threads(monkeypatch):
     assert torch.get_num_threads() == before
 
 
-def test_distillation_pulls_the_draft_toward_the_teacher():
-    """A student distilled from a teacher agrees with it more than the same student trained on the data."""
+@pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
+def test_distillation_pulls_the_draft_toward_the_teacher(train_dtype):
+    """A student distilled from a teacher agrees with it more than the same student trained on the data
+    (bf16: autocast student, a bf16 copy of the teacher; the caller's teacher is left as it was)."""
     from methods.zoo.train import train_lm
 
     stream = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
@@ -253,10 +255,11 @@ def test_distillation_pulls_the_draft_toward_the_teacher():
     agreement = {}
     for w in (0.0, 1.0):
         spec = ModelSpec(n_layers=1, hidden_size=32, n_heads=2, intermediate_size=64, steps=60, batch_size=8,
-                         lr=1e-2, warmup=5, train_dtype="float32", distill=w)
+                         lr=1e-2, warmup=5, train_dtype=train_dtype, distill=w)
         student = _tiny_model(2)
         train_lm(student, spec, stream, Windows(seq_len=16), seed=0, teacher=teacher if w else None)
         agreement[w] = held_out(teacher, student, windows)
+    assert teacher.dtype == torch.float32
     assert agreement[1.0].sum_min_pq > agreement[0.0].sum_min_pq + 0.05
     assert agreement[1.0].greedy_alpha > agreement[0.0].greedy_alpha + 0.2
     with pytest.raises(AssertionError, match="teacher"):
