@@ -30,7 +30,7 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 7  # bump when what a profile means (5: t_AR whole step, 6: warm t(n), 7: verify overhead)
+PROFILE_FORMAT = 8  # bump when what a profile means (6: warm t(n), 7: verify overhead, 8: 24 prompts)
 
 
 @dataclass(frozen=True)
