@@ -19,14 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def step_times(name: str, steps: int = 4) -> dict:
     """Seconds per training step (median of ``steps`` after one warm-up) of each model and window shape,
-    on random tokens, with the draft's distillation forward of the target when the preset distils, and
-    the training time they project for the preset's step counts."""
+    on random tokens, with the draft's distillation forward of the target when the preset distils (the
+    teacher as training runs it) and the unlikelihood term when the preset has one (on every position: an
+    upper bound, training applies it on prose windows only), and the training time they project for the
+    preset's step counts."""
     import statistics
 
     import torch
 
     from methods.zoo.build import preset
-    from methods.zoo.train import _step, new_model, sample_batch
+    from methods.zoo.train import _step, distill_teacher, new_model, sample_batch
 
     cfg = preset(name)
     gen = torch.Generator().manual_seed(0)
@@ -37,14 +39,16 @@ def step_times(name: str, steps: int = 4) -> dict:
     for role, spec in (("target", cfg.target), ("draft", cfg.draft)):
         models[role] = model = new_model(spec, cfg.vocab_size, 0, cfg.max_positions, seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        teacher = (models["target"], spec.distill) if spec.distill else (None, 0.0)
+        teacher = (distill_teacher(models["target"], spec), spec.distill) if spec.distill else (None, 0.0)
         shape_of = [cfg.windows.at(s, spec.steps, spec.batch_size) for s in range(spec.steps)]
         for b, t in sorted(set(shape_of)):
             times = []
             for i in range(steps + 1):
                 x = sample_batch(stream, b, t, gen)
+                ul = ((torch.ones(b, t - 1, dtype=torch.bool), spec.unlikelihood, spec.unlikelihood_window)
+                      if spec.unlikelihood else None)
                 t0 = time.perf_counter()
-                _step(model, opt, x, spec.train_dtype == "bfloat16", teacher)
+                _step(model, opt, x, spec.train_dtype == "bfloat16", teacher, ul)
                 if i:
                     times.append(time.perf_counter() - t0)
             out[f"{role}_{b}x{t}_s_per_step"] = sec = statistics.median(times)

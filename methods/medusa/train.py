@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from methods.medusa.heads import HeadsConfig, MedusaHeads
+from methods.zoo.train import sample_batch
 
 IGNORE = -100
 
@@ -71,8 +72,7 @@ class TrainResult:
 def sample_windows(tokens: torch.Tensor, n: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
     """(n, seq_len) random windows of a 1-D token stream."""
     assert tokens.numel() > seq_len, f"corpus of {tokens.numel()} tokens is shorter than a window ({seq_len})"
-    starts = torch.randint(0, tokens.numel() - seq_len, (n,), generator=generator)
-    return torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
+    return sample_batch(tokens, n, seq_len, generator)
 
 
 def head_labels(windows: torch.Tensor, greedy: torch.Tensor | None, num_heads: int) -> torch.Tensor:
