@@ -22,9 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from methods.zoo.train import ModelSpec, Windows
+from methods.zoo.train import ModelSpec, SequenceUnlikelihood, Windows
 
-ZOO_FORMAT = 2  # bump when the build changes so that old caches must not be reused (2: bf16 teacher copy)
+# bump when the build changes so that old caches must not be reused (2: bf16 teacher copy; 3: eager attention
+# and fused AdamW while training, greedy decoding of the report by methods.zoo.greedy)
+ZOO_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class ZooConfig:
     # workload's format; without it the target answered prose prompts with '#' comment-header loops
     train_prose: bool = True
     eval_tokens: int = 32768  # held-out tokens per text kind for perplexity and agreement
-    loop_prompts: int = 16  # test prompts per workload kind for the loop rate
+    loop_prompts: int = 48  # test prompts per workload kind for the loop rate
     # (kind, prompt_tokens) of the loop-rate workloads; grounded prompts must hold a whole function
     loop_workloads: tuple[tuple[str, int], ...] = (("code", 128), ("prose", 128), ("grounded", 384))
     loop_new_tokens: int = 64
@@ -55,27 +57,27 @@ class ZooConfig:
 
 PRESETS: dict[str, ZooConfig] = {
     # Sized per issue 4: a 6x384 target (13.8M params with untied embeddings, vocab 4096) is the largest
-    # trainable to usefulness in minutes on 2 cores. Measured (load ~1.5, bf16): 0.27 s/target step at
-    # 4 x 256 tokens, ~0.09 s/draft step including the target's forward for distillation; built in 562 s.
-    # In minutes of training every model is still in its n-gram phase, where a 1x128 model trained on data
-    # keeps up with the 6x384 one (held-out code ppl 64 vs 71 in a trial): the draft learns the target's
-    # distribution instead, as a draft should (greedy α 0.48 → 0.69 on held-out code). Trials of the recipe
-    # (same seed): target 1400 / draft 1000 steps: code ppl 75.8, loop rate code 7/16, prose 0/16; 1500 / 800:
-    # code ppl 72.2, loops code 8/16, prose 15/16; 1650 / 900: code ppl 69.2, loops code 1/16, prose 9/16
-    # (on 48 prompts: code 5, prose 21, grounded 1) — greedy loops of a model this weak flip between prompts
-    # from one build to the next. Unlikelihood on prose (Welleck et al. 2020), 1650 / 900, loops out of 48
-    # prompts: weight 1, negatives from the whole window: code 8, prose 0, grounded 13 (it unlearnt copying
-    # docstrings); weight 1, the last 32 tokens: code 6, prose 12, grounded 4 (held-out ppl code 70.9,
-    # prose 123.3); weight 2, the last 32 tokens (this preset): code 7, prose 11, grounded 1, held-out ppl
-    # code 72.7, prose 137.4 (69.2 / 117.4 without unlikelihood). See `python -m methods.zoo report`.
-    # Build on this shared machine (0.27-0.30 s per target step): 578-659 s without unlikelihood; 602-627 s
-    # with it and an autocast teacher; 562 s with the bf16 teacher copy (draft 80 s instead of 92-102).
+    # trainable to usefulness in minutes on 2 cores. In minutes of training every model is still in its
+    # n-gram phase, where a 1x128 model trained on data keeps up with the 6x384 one (held-out code ppl 64 vs
+    # 71 in a trial): the draft learns the target's distribution instead, as a draft should (greedy α 0.48 →
+    # 0.69 on held-out code).
+    # Repetition loops (greedy, 64 new tokens, 48 test prompts per kind: code / prose / grounded), same seed:
+    # data only, 1650 / 900 steps: 5 / 21 / 1, held-out ppl code 69.2, prose 117.4 — and such counts flip
+    # between builds (1400 / 1000 steps: code 7/16, prose 0/16; 1500 / 800: 8/16, 15/16). Token-level
+    # unlikelihood on prose (negatives: the last 32 tokens, weight 2): 7 / 11 / 1, ppl 72.7 / 137.4; with the
+    # whole window as negatives: 8 / 0 / 13 (it unlearnt copying). Sequence-level unlikelihood on its own
+    # greedy text (Welleck et al. 2020): 40 fine-tuning steps of that last target on prose + code rollouts,
+    # two seeds: 1 / 1 / 0 and 0 / 1 / 0, against 28 / 3 / 10 and 8 / 17 / 6 for the same fine-tuning
+    # without the rollouts; in training, the last 60 of 1650 steps: 0 / 0 / 0, ppl 69.7 / 121.1 (built in
+    # 642 s); the last 50, 1650 / 900: 1 / 0 / 1, ppl 70.6 / 121.0 (598 s); this preset, 1500 / 800:
+    # 3 / 1 / 1, ppl 71.6 / 125.3, greedy α 0.683 (code), built in 514 s (target 388, draft 76, report 41;
+    # 0.23-0.28 s per target step on this shared machine, depending on the hour).
     "default": ZooConfig(
         name="default",
-        target=ModelSpec(n_layers=6, hidden_size=384, n_heads=6, intermediate_size=1024, steps=1650,
-                         batch_size=4, lr=2e-3, warmup=100, unlikelihood=2.0,
-                         unlikelihood_window=32),
-        draft=ModelSpec(n_layers=1, hidden_size=128, n_heads=4, intermediate_size=256, steps=900,
+        target=ModelSpec(n_layers=6, hidden_size=384, n_heads=6, intermediate_size=1024, steps=1500,
+                         batch_size=4, lr=2e-3, warmup=100,
+                         sequence_unlikelihood=SequenceUnlikelihood(weight=1.0, steps=50)),
+        draft=ModelSpec(n_layers=1, hidden_size=128, n_heads=4, intermediate_size=256, steps=800,
                         batch_size=4, lr=3e-3, warmup=100, distill=1.0),
     ),
     # For tests: same code paths, tiny dims and a slice of the corpus; builds in seconds. Vocabulary and
@@ -83,7 +85,9 @@ PRESETS: dict[str, ZooConfig] = {
     "micro": ZooConfig(
         name="micro",
         target=ModelSpec(n_layers=2, hidden_size=64, n_heads=2, intermediate_size=128, steps=40,
-                         batch_size=8, lr=3e-3, warmup=5, train_dtype="float32"),
+                         batch_size=8, lr=3e-3, warmup=5, train_dtype="float32",
+                         sequence_unlikelihood=SequenceUnlikelihood(weight=1.0, steps=4, batch=2, prefix=16,
+                                                                    new_tokens=8)),
         draft=ModelSpec(n_layers=1, hidden_size=32, n_heads=2, intermediate_size=64, steps=30,
                         batch_size=8, lr=3e-3, warmup=5, train_dtype="float32", distill=0.5),
         vocab_size=4096,
@@ -123,7 +127,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECSIM_CACHE") or Path.home() / ".cache" / "specsim")
 
 
-_LATER_OPTIONS = ("unlikelihood", "unlikelihood_window")  # ModelSpec fields added after zoos were cached
+# ModelSpec fields added after zoos were cached: (field, whether a spec uses it); unused, they are left
+# out of the hash so that older keys stay valid
+_LATER_OPTIONS = (
+    ("unlikelihood", lambda spec: spec["unlikelihood"]),
+    ("unlikelihood_window", lambda spec: spec["unlikelihood"]),
+    ("sequence_unlikelihood", lambda spec: spec["sequence_unlikelihood"]["weight"]),
+)
 
 
 def zoo_key(cfg: ZooConfig) -> str:
@@ -131,10 +141,10 @@ def zoo_key(cfg: ZooConfig) -> str:
     from methods.zoo.corpus import CORPUS_VERSION
 
     zoo = dataclasses.asdict(cfg)
-    for role in ("target", "draft"):  # recipe options added later hash only when used: older keys stay valid
-        if not zoo[role]["unlikelihood"]:
-            for name in _LATER_OPTIONS:
-                del zoo[role][name]
+    for role in ("target", "draft"):
+        unused = [name for name, used in _LATER_OPTIONS if not used(zoo[role])]
+        for name in unused:
+            del zoo[role][name]
     blob = json.dumps(
         {"zoo": zoo, "corpus": CORPUS_VERSION, "format": ZOO_FORMAT,
          "python": sys.version.split()[0]},
@@ -253,6 +263,9 @@ def _train_one(cfg: ZooConfig, job: tuple, stream, tokenizer, teacher) -> tuple:
     model.generation_config.pad_token_id = eos
     info = {"params": n_params(model), "steps": spec.steps, "tokens": tokens, "distill": spec.distill,
             "final_train_loss": res.final_loss, "seconds": res.seconds, "tokens_per_s": tokens / res.seconds}
+    if res.rollout_repeats:  # how loopy the model's own greedy text was when the phase began, and at its end
+        r, k = res.rollout_repeats, max(1, len(res.rollout_repeats) // 5)
+        info["rollout_repeats"] = {"first": sum(r[:k]) / k, "last": sum(r[-k:]) / k, "steps": len(r)}
     return model, info
 
 

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from methods.workloads import load_prompts
 from methods.zoo.corpus import corpus
+from methods.zoo.greedy import greedy_extend
 from methods.zoo.tokenizer import encode_documents
 from methods.zoo.train import ThreadGovernor
 from specsim.config import WorkloadConfig
@@ -102,14 +103,7 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
                          ) -> list[list[int]]:
     """Greedy continuations of equal-length prompts in one batch, each cut at its first eos."""
     ids = torch.tensor(prompts, dtype=torch.long)  # (B, P) — equal lengths, so no padding needed
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )[:, ids.shape[1] :]
+    out = greedy_extend(model, ids, max_new_tokens)[:, ids.shape[1] :]
     conts = []
     for row in out.tolist():
         conts.append(row[: row.index(eos_id)] if eos_id in row else row)
