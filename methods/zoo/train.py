@@ -136,6 +136,11 @@ def sample_batch(stream: torch.Tensor, batch: int, seq_len: int, generator: torc
     return windows_at(stream, window_starts(len(stream), batch, seq_len, generator), seq_len)
 
 
+def _unlikely(logq: torch.Tensor) -> torch.Tensor:
+    """-log(1 - q) from log q, elementwise (q clamped below 1: a token the model is sure of costs ~11.5)."""
+    return -torch.log1p(-logq.exp().clamp(max=1 - 1e-5))
+
+
 def unlikelihood_loss(logq: torch.Tensor, x: torch.Tensor, where: torch.Tensor, window: int = 0
                       ) -> torch.Tensor:
     """Token-level unlikelihood (Welleck et al. 2020) averaged over the positions ``where`` (B, T-1) bool:
@@ -153,7 +158,7 @@ def unlikelihood_loss(logq: torch.Tensor, x: torch.Tensor, where: torch.Tensor, 
         seen[:, window:] -= seen[:, :-window].clone()  # ... in the last ``window`` tokens only
     seen = (seen > 0).to(logq.dtype)
     seen.scatter_(2, x[:, 1:, None], 0.0)  # the true next token is no negative
-    per_pos = -(torch.log1p(-logq.exp().clamp(max=1 - 1e-5)) * seen).sum(-1)  # (B, T-1)
+    per_pos = (_unlikely(logq) * seen).sum(-1)  # (B, T-1)
     w = where.to(per_pos.dtype)
     return (per_pos * w).sum() / w.sum().clamp_min(1.0)  # 0 without any such position
 
@@ -206,7 +211,7 @@ def sequence_unlikelihood_loss(logq: torch.Tensor, cont: torch.Tensor, mask: tor
     """Mean over all continuation tokens of -log(1 - q(x_t)) at the masked ones. logq: (B, N, V)
     log-probabilities predicting cont (B, N); mask (B, N) bool."""
     logp = logq.gather(-1, cont[..., None])[..., 0]
-    return -(torch.log1p(-logp.exp().clamp(max=1 - 1e-5)) * mask).sum() / mask.numel()
+    return (_unlikely(logp) * mask).sum() / mask.numel()
 
 
 @dataclass(frozen=True)
@@ -299,17 +304,18 @@ def train_lm(
     """Train ``model`` in place for ``spec.steps`` steps on random windows of ``stream`` (distilling from
     ``teacher`` when ``spec.distill`` > 0). The logged loss is the data cross-entropy either way."""
     assert not spec.distill or teacher is not None, "spec.distill > 0 needs a teacher"
-    tokens = stream.tokens if isinstance(stream, Packed) else stream
-    prose = stream.prose if isinstance(stream, Packed) and spec.unlikelihood else None
-    assert not spec.unlikelihood or prose is not None, "spec.unlikelihood > 0 needs a Packed stream"
+    seq = spec.sequence_unlikelihood
+    packed = isinstance(stream, Packed)
+    assert packed or not spec.unlikelihood, "spec.unlikelihood > 0 needs a Packed stream"
+    assert packed or not seq.weight, "sequence unlikelihood needs a Packed stream"
+    tokens = stream.tokens if packed else stream
+    prose = stream.prose if spec.unlikelihood else None
     gen = torch.Generator().manual_seed(seed)
     opt = optimizer(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, spec.warmup, spec.steps))
     use_bf16 = spec.train_dtype == "bfloat16"
     teacher = distill_teacher(teacher, spec)
-    seq = spec.sequence_unlikelihood
     rollouts = Rollouts(stream, seq) if seq.weight and seq.steps else None
-    assert not seq.weight or isinstance(stream, Packed), "sequence unlikelihood needs a Packed stream"
     model.train()
     losses: list[float] = []
     repeats: list[float] = []  # fraction of rollout tokens in repeated n-grams, per sequence-level step
