@@ -132,11 +132,11 @@ def execute(cfg: RunConfig, out_dir: Path) -> TaskResult:
         prediction = simulate(cfg).to_dict()
         return TaskResult(prediction, None, _prediction_lines(prediction))
     if cfg.task == Task.measure:
-        measure = _import_task("methods.measure", "measure", cfg.task)
+        measure = _import_task("methods.measurement.measure", "measure", cfg.task)
         result = measure(cfg)
         lines = _measure_lines(result.metrics, cfg.hardware.name)
         return TaskResult(dict(result.metrics), list(result.samples), lines)
-    calibrate = _import_task("methods.calibrate", "calibrate", cfg.task)
+    calibrate = _import_task("methods.measurement.calibrate", "calibrate", cfg.task)
     result = calibrate(cfg, out_dir)
     metrics = dict(getattr(result, "metrics", result) or {})
     return TaskResult(metrics, None, [f"calibration written to {out_dir}"])

@@ -26,9 +26,9 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from methods.core.engine import ModelEngine  # noqa: E402
+from methods.core.loop import DecodeOptions, decode  # noqa: E402
 from methods.drafters.autoregressive import Autoregressive  # noqa: E402
-from methods.engine import ModelEngine  # noqa: E402
-from methods.loop import DecodeOptions, decode  # noqa: E402
 from methods.models import load_models  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
 

@@ -29,13 +29,13 @@ if str(REPO) not in sys.path:  # an entry point like run.py: the packages live a
 
 import torch  # noqa: E402
 
-from methods.engine import ModelEngine  # noqa: E402
-from methods.loop import DecodeOptions, decode  # noqa: E402
-from methods.metrics import AcceptStats  # noqa: E402
+from methods.core.engine import ModelEngine  # noqa: E402
+from methods.core.loop import DecodeOptions, decode  # noqa: E402
+from methods.core.metrics import AcceptStats  # noqa: E402
+from methods.core.sampling import SamplingParams  # noqa: E402
+from methods.data.workloads import load_prompts  # noqa: E402
+from methods.drafters.registry import build_drafter  # noqa: E402
 from methods.models import Models, load_models  # noqa: E402
-from methods.registry import build_drafter  # noqa: E402
-from methods.sampling import SamplingParams  # noqa: E402
-from methods.workloads import load_prompts  # noqa: E402
 from specsim.config import MethodConfig, RunConfig, Verifier  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
 
@@ -183,7 +183,7 @@ def medusa_cached(args, models: Models, base) -> bool:
     if args.medusa == "train":
         return True
     from methods.drafters.medusa import MedusaParams
-    from methods.medusa.store import EvalConfig, _cache_root, cache_key
+    from methods.heads.medusa.store import EvalConfig, _cache_root, cache_key
 
     mp = MedusaParams.from_method(_method(("method=medusa",), base, {}))
     if mp.heads != "train":

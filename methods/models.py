@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from methods.core.engine import context_length  # noqa: F401  (re-exported)
 from specsim.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,16 +53,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: allowed {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def context_length(model: PreTrainedModel) -> int:
-    """Positions the model was built for (Llama/NeoX: max_position_embeddings, GPT-2: n_positions)."""
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(cfg, key, None)
-        if value:
-            return int(value)
-    raise ValueError(f"{type(model).__name__}: cannot find the context length in its config")
 
 
 def load_models(model_cfg: ModelConfig, device: str = "auto", dtype: str = "float32") -> Models:

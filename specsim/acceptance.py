@@ -158,8 +158,8 @@ class PositionalAcceptance:
 @dataclass(frozen=True)
 class DepthVectorAcceptance:
     """A positional vector per depth: ``vectors[d-1] = [0, p_1(d), …, p_W(d), p_none(d)]``; depths past the
-    table repeat its last vector. Measured for Medusa one head at a time (methods.calibrate): head d
-    proposes the depth-d children, and a later head is right less often than the first."""
+    table repeat its last vector. Measured for Medusa one head at a time (methods.measurement.calibrate):
+    head d proposes the depth-d children, and a later head is right less often than the first."""
 
     vectors: tuple[tuple[float, ...], ...]
     kind = "depth_vector"

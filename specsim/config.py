@@ -70,7 +70,7 @@ class AcceptanceConfig:
 @dataclass
 class MethodConfig:
     name: str = "autoregressive"
-    drafter: str = "autoregressive"  # key in methods.registry
+    drafter: str = "autoregressive"  # key in methods.drafters.registry
     verifier: Verifier = Verifier.greedy
     lossless: bool = True
     # simulator: cost of one draft step relative to one target forward (ρ), plus a fixed drafter
@@ -155,7 +155,8 @@ class WorkloadConfig:
 
 @dataclass
 class CalibrationConfig:
-    """task=calibrate (methods.calibrate): how much to measure; star-tree positions = prompts × new_tokens."""
+    """task=calibrate (methods.measurement.calibrate): how much to measure; star-tree positions =
+    prompts × new_tokens."""
 
     width: int = 32  # W, children of the star tree verified at each position (Sequoia's vector has 32)
     # calibration-split prompts continued by the target itself: 24 x 32 = 768 star trees (8 prompts read

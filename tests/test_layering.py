@@ -79,3 +79,71 @@ def test_notebooks_use_analysis_and_specsim_only():
         code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
         bad = {"hydra", "torch", "methods"} & set(IMPORT.findall(code))
         assert not bad, f"{nb.name} imports {sorted(bad)}: notebooks use analysis and specsim only"
+
+
+# ---- methods' floors (methods/__init__.py): nothing imports from a floor above its own -----------------
+FLOORS = {
+    "methods.core": 0,
+    "methods.data": 1,
+    "methods.zoo": 2,
+    "methods.models": 2,
+    "methods.heads": 3,
+    "methods.drafters": 4,
+    "methods.measurement": 5,
+}
+METHODS_IMPORT = re.compile(r"^\s*(?:from|import)\s+(methods(?:\.\w+)*)", re.MULTILINE)
+
+
+def floor_of(module: str) -> int:
+    """The floor of a dotted module name (the longest FLOORS prefix); methods' own __init__ has none."""
+    hits = [floor for prefix, floor in FLOORS.items() if module == prefix or module.startswith(prefix + ".")]
+    assert hits, f"{module} belongs to no floor: add it to FLOORS and to methods/__init__.py"
+    return max(hits)
+
+
+def test_every_methods_module_has_a_floor():
+    for path in _sources("methods"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        if module != "methods":
+            floor_of(module)
+
+
+def test_no_import_climbs_a_floor():
+    """Lazy imports inside functions count: a floor may use its own floor and those below, never above."""
+    climbs = []
+    for path in _sources("methods"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        if module == "methods":
+            continue
+        for imported in METHODS_IMPORT.findall(path.read_text(encoding="utf-8")):
+            if imported != "methods" and floor_of(imported) > floor_of(module):
+                climbs.append(f"{module} (floor {floor_of(module)}) imports {imported}")
+    assert not climbs, "imports that climb a floor:\n" + "\n".join(climbs)
+
+
+def test_floor_checker_catches_a_climb():
+    """The checker itself: the decode core importing a drafter is a climb."""
+    assert floor_of("methods.core.loop") < floor_of("methods.drafters.vanilla")
+    assert floor_of("methods.zoo.build") == floor_of("methods.models")
+
+
+def test_no_import_cycle_between_modules():
+    """The import graph of methods/ modules (lazy imports inside functions included) has no cycle."""
+    graph = {}
+    for path in _sources("methods"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = {m for m in METHODS_IMPORT.findall(path.read_text(encoding="utf-8")) if m != module}
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack + [node, nxt]))
+            if nxt in graph and not state.get(nxt):
+                visit(nxt, stack + [node])
+        state[node] = 2
+
+    for node in graph:
+        if not state.get(node):
+            visit(node, [])

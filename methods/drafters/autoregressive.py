@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from methods.drafter import Draft, DraftContext, StepFeedback
+from methods.core.drafter import Draft, DraftContext, StepFeedback
 from specsim.config import MethodConfig
 from specsim.tree import Tree
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from methods.drafter import Draft, DraftContext, StepFeedback, root_only
-from methods.medusa.checkpoint import load_heads
-from methods.medusa.heads import HeadsConfig, MedusaHeads
-from methods.medusa.train import TrainConfig
-from methods.medusa.tree import greedy_tree
-from methods.sampling import SamplingParams, probs
+from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
+from methods.core.sampling import SamplingParams, probs
+from methods.heads.medusa.checkpoint import load_heads
+from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
+from methods.heads.medusa.train import TrainConfig
+from methods.heads.medusa.tree import greedy_tree
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -47,7 +47,7 @@ _VERIFIER_KEYS = frozenset({"posterior_threshold", "posterior_alpha"})  # typica
 class MedusaParams:
     """``method.params`` of the medusa drafter."""
 
-    # "train" (cached: methods.medusa.store) | a heads directory (ours or published) | "init" | "random"
+    # "train" (cached: methods.heads.medusa.store) | a heads directory (ours or published) | "init" | "random"
     heads: str = "train"
     num_heads: int = 4
     num_layers: int = 1
@@ -209,7 +209,7 @@ def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None]:
                 for p in heads.parameters():
                     p.add_(torch.randn(p.shape, generator=g).to(p) * 0.5 * p.std().clamp_min(0.02))
     elif mp.heads == "train":
-        from methods.medusa.store import ensure_medusa  # heavy (corpus, training): only when asked
+        from methods.heads.medusa.store import ensure_medusa  # heavy (corpus, training): only when asked
 
         built = ensure_medusa(target, models.tokenizer, mp.train_config())
         loaded = load_heads(built.heads_dir)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.drafter import Draft, DraftContext, StepFeedback
+from methods.core.drafter import Draft, DraftContext, StepFeedback
 from specsim.config import MethodConfig
 from specsim.tree import Tree
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.drafter import Draft, DraftContext, StepFeedback
-from methods.engine import ModelEngine
-from methods.loop import subtree
-from methods.sampling import SamplingParams, probs
+from methods.core.drafter import Draft, DraftContext, StepFeedback
+from methods.core.engine import ModelEngine
+from methods.core.loop import subtree
+from methods.core.sampling import SamplingParams, probs
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 

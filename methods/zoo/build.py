@@ -138,7 +138,7 @@ _LATER_OPTIONS = (
 
 def zoo_key(cfg: ZooConfig) -> str:
     """Hash of everything that determines the built zoo."""
-    from methods.zoo.corpus import CORPUS_VERSION
+    from methods.data.corpus import CORPUS_VERSION
 
     zoo = dataclasses.asdict(cfg)
     for role in ("target", "draft"):
@@ -228,7 +228,7 @@ def _tokenize(cfg: ZooConfig, paths: ZooPaths):
     split's prose documents when ``cfg.train_prose``). Returns (tokenizer, Packed stream, modules)."""
     import torch
 
-    from methods.zoo.corpus import corpus
+    from methods.data.corpus import corpus
     from methods.zoo.tokenizer import encode_documents, save_tokenizer, train_tokenizer
     from methods.zoo.train import pack
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from methods.workloads import load_prompts
-from methods.zoo.corpus import corpus
+from methods.data.corpus import corpus
+from methods.data.workloads import load_prompts
 from methods.zoo.greedy import greedy_extend
 from methods.zoo.tokenizer import encode_documents
 from methods.zoo.train import ThreadGovernor
@@ -113,10 +113,11 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
 # ---- verification cost t(n) ---------------------------------------------------------------------------
 def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: int = 7) -> dict[int, float]:
     """Median wall time (ms) of the decode loop's verify forward over n tree tokens after a ``context``-token
-    cache, for n in ``sizes``, on a bf16 copy of ``model``: ``methods.timing.verify_times``, the same timer
-    as ``task=calibrate`` (two untimed rounds over all sizes, then ``reps`` rounds, sizes interleaved)."""
-    from methods.engine import ModelEngine
-    from methods.timing import verify_times
+    cache, for n in ``sizes``, on a bf16 copy of ``model``: ``methods.core.timing.verify_times``, the same
+    timer as ``task=calibrate`` (two untimed rounds over all sizes, then ``reps`` rounds, sizes
+    interleaved)."""
+    from methods.core.engine import ModelEngine
+    from methods.core.timing import verify_times
 
     m = copy.deepcopy(model).to(torch.bfloat16).eval()
     ids = torch.randint(0, m.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,6 @@
 """task=calibrate and measured profiles: Sequoia's star-tree histogram (exact cases), the profile's layout,
-its JSON cache and key, and the Sequoia tree built from it (methods.calibrate, methods.profiles)."""
+its JSON cache and key, and the Sequoia tree built from it (methods.measurement.calibrate,
+methods.measurement.profiles)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-import methods.calibrate as calibrate_module
-from methods.calibrate import (
+import methods.measurement.calibrate as calibrate_module
+from methods.core.sampling import SamplingParams
+from methods.measurement.calibrate import (
     Star,
     StarRule,
     calibrate,
+    ensure_profile,
     measure_profile,
     rank_vector,
     star_children,
     star_ranks,
 )
-from methods.models import Models
-from methods.profiles import (
+from methods.measurement.profiles import (
     Profile,
     apply_profile,
-    ensure_profile,
     load_profile,
     measured_acceptance,
     prediction_metrics,
@@ -37,7 +38,7 @@ from methods.profiles import (
     to_measured_cost,
     tree_predictions,
 )
-from methods.sampling import SamplingParams
+from methods.models import Models
 from specsim.config import Verifier
 from specsim.io import read_json
 
@@ -301,7 +302,7 @@ def test_proposals_are_followed_along_the_trajectory():
     the walk stops at the first mismatch, and a node without children is an empty star (the step ends)."""
     from types import SimpleNamespace
 
-    from methods.drafter import Draft
+    from methods.core.drafter import Draft
     from specsim.tree import Tree
 
     class Fixed:  # proposes the chain 7, 8 after every context; a second child 9 under the root

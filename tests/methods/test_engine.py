@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from methods.engine import ModelEngine
-from methods.fast_llama import can_pack
+from methods.core.engine import ModelEngine
+from methods.core.fast_llama import can_pack
 from specsim.tree import Tree
 
 ATOL = 1e-4

@@ -1,19 +1,20 @@
 """Greedy equivalence (issue 3): every registered drafter, with every verifier that applies, emits exactly
 the target's greedy autoregressive tokens at temperature 0 (fp32) — over prompts, lengths, max_new_tokens
-boundaries inside an accepted block, and EOS inside an accepted block. Parametrized over methods.registry, so
-a new method is covered by adding its registry line (and, if it needs any, its test params below)."""
+boundaries inside an accepted block, and EOS inside an accepted block. Parametrized over
+methods.drafters.registry, so a new method is covered by adding its registry line (and, if it needs any, its
+test params below)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from methods.core.engine import ModelEngine
+from methods.core.loop import DecodeOptions, decode
+from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
-from methods.engine import ModelEngine
-from methods.loop import DecodeOptions, decode
+from methods.drafters.registry import build_drafter, names
 from methods.models import Models
-from methods.registry import build_drafter, names
-from methods.sampling import SamplingParams
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from methods.measure import measure
+from methods.measurement.measure import measure
 
 SMALL = ("task=measure", "model=random_tiny", "workload.num_prompts=2", "workload.prompt_tokens=24",
          "workload.max_new_tokens=10", "warmup=1", "calibration.prompts=2", "calibration.new_tokens=8",

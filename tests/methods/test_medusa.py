@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from methods.drafter import DraftContext
+from methods.core.drafter import DraftContext
+from methods.core.sampling import SamplingParams, probs
 from methods.drafters.medusa import MedusaDrafter, _prune
-from methods.medusa.checkpoint import load_heads, save_heads, save_published
-from methods.medusa.heads import HeadsConfig, MedusaHeads
-from methods.medusa.train import IGNORE, head_labels
-from methods.medusa.tree import expected_tokens, greedy_tree, path_value
+from methods.heads.medusa.checkpoint import load_heads, save_heads, save_published
+from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
+from methods.heads.medusa.train import IGNORE, head_labels
+from methods.heads.medusa.tree import expected_tokens, greedy_tree, path_value
 from methods.models import random_llama
-from methods.sampling import SamplingParams, probs
 from specsim.config import ModelConfig
 from specsim.tree import Tree
 
@@ -324,8 +324,8 @@ def test_prune_keeps_closed_subtrees():
 
 # ---- through the shared decode loop -------------------------------------------------------------------
 def _decode(target, drafter, prompt, sampling, verifier, max_new, seed=0):
-    from methods.engine import ModelEngine
-    from methods.loop import DecodeOptions, decode
+    from methods.core.engine import ModelEngine
+    from methods.core.loop import DecodeOptions, decode
 
     opts = DecodeOptions(verifier=verifier, sampling=sampling, max_new_tokens=max_new)
     return decode(ModelEngine(target), drafter, prompt, opts, torch.Generator().manual_seed(seed))
@@ -343,8 +343,8 @@ def _reference_greedy(target, prompt: torch.Tensor, n: int) -> list[int]:
 @pytest.mark.parametrize("heads_kind", ["init", "random"])
 @pytest.mark.parametrize("verifier", ["greedy", "deterministic", "typical"])
 def test_greedy_equivalence_through_the_loop(target, heads_kind, verifier):
+    from methods.drafters.registry import build_drafter
     from methods.models import Models
-    from methods.registry import build_drafter
     from specsim.config import MethodConfig, Verifier
 
     models = Models(target, None, None, torch.device("cpu"), torch.float32)
@@ -393,8 +393,8 @@ def test_sampled_drafts_are_lossless_chi_square(target, verifier):
     """Law of the first two emitted tokens at temperature 1, top-k 3 (p and q), against the target's own."""
     from scipy.stats import chisquare
 
-    from methods.engine import ModelEngine
-    from methods.loop import DecodeOptions, decode
+    from methods.core.engine import ModelEngine
+    from methods.core.loop import DecodeOptions, decode
     from specsim.config import Verifier
 
     sampling = SamplingParams(temperature=1.0, top_k=3)
@@ -438,7 +438,7 @@ def micro():
 
 
 def _micro_eval():
-    from methods.medusa.store import EvalConfig
+    from methods.heads.medusa.store import EvalConfig
 
     return EvalConfig(
         windows=2, prompts=2, prompt_len=32, new_tokens=24, ranks=6, train_chars=60_000, test_chars=30_000
@@ -447,8 +447,8 @@ def _micro_eval():
 
 @pytest.mark.slow
 def test_medusa1_on_micro_zoo_trains_reports_and_is_cached(micro, tmp_path, monkeypatch):
-    import methods.medusa.store as store
-    from methods.medusa.train import TrainConfig
+    import methods.heads.medusa.store as store
+    from methods.heads.medusa.train import TrainConfig
 
     target, tok = micro
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -482,8 +482,8 @@ def test_medusa1_on_micro_zoo_trains_reports_and_is_cached(micro, tmp_path, monk
 def test_medusa2_on_micro_zoo_tunes_a_copy_of_the_target(micro, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import methods.medusa.store as store
-    from methods.medusa.train import TrainConfig
+    import methods.heads.medusa.store as store
+    from methods.heads.medusa.train import TrainConfig
 
     target, tok = micro
     cfg = TrainConfig(**MICRO_TRAIN, joint=True, joint_steps=3, joint_batch=2)
@@ -501,10 +501,10 @@ def test_medusa2_on_micro_zoo_tunes_a_copy_of_the_target(micro, tmp_path):
 
 @pytest.mark.slow
 def test_trained_heads_greedy_tree_and_equivalence_on_micro_zoo(micro, tmp_path):
-    import methods.medusa.store as store
-    from methods.medusa.train import TrainConfig
+    import methods.heads.medusa.store as store
+    from methods.drafters.registry import build_drafter
+    from methods.heads.medusa.train import TrainConfig
     from methods.models import Models
-    from methods.registry import build_drafter
     from specsim.config import MethodConfig, Verifier
 
     target, tok = micro

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
+from methods.core.engine import ModelEngine
+from methods.core.loop import DecodeOptions, decode
+from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
-from methods.engine import ModelEngine
-from methods.loop import DecodeOptions, decode
+from methods.drafters.registry import build_drafter
 from methods.models import byte_tokenizer, load_models, resolve_device
-from methods.registry import build_drafter
-from methods.sampling import SamplingParams
 from specsim.config import MethodConfig, ModelConfig, Verifier
 from specsim.tree import Tree
 

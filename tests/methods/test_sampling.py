@@ -1,4 +1,4 @@
-"""methods.sampling: processed distributions (temperature, top-k, top-p) and the randomness primitive."""
+"""methods.core.sampling: processed distributions (temperature, top-k, top-p) and the randomness primitive."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from methods.sampling import (
+from methods.core.sampling import (
     Randomness,
     SamplingParams,
     TorchRandomness,

@@ -11,10 +11,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from methods.engine import ModelEngine
-from methods.loop import DecodeOptions, decode
-from methods.registry import build_drafter
-from methods.sampling import SamplingParams, probs
+from methods.core.engine import ModelEngine
+from methods.core.loop import DecodeOptions, decode
+from methods.core.sampling import SamplingParams, probs
+from methods.drafters.registry import build_drafter
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 

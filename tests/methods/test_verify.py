@@ -1,4 +1,5 @@
-"""methods.verify unit tests: greedy, numerically nasty inputs, typical acceptance, shape errors, devices.
+"""methods.core.verify unit tests: greedy, numerically nasty inputs, typical acceptance, shape errors,
+devices.
 (The exact losslessness proof is tests/methods/test_verify_exact.py.)"""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from methods.drafter import Draft
-from methods.sampling import SamplingParams, TorchRandomness, probs
-from methods.verify import (
+from methods.core.drafter import Draft
+from methods.core.sampling import SamplingParams, TorchRandomness, probs
+from methods.core.verify import (
     VERIFIERS,
     VerifyError,
     VerifyResult,

@@ -21,9 +21,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from methods.drafter import Draft
-from methods.sampling import SamplingParams, draw, probs
-from methods.verify import VERIFIERS, chain_rejection
+from methods.core.drafter import Draft
+from methods.core.sampling import SamplingParams, draw, probs
+from methods.core.verify import VERIFIERS, chain_rejection
 from specsim.config import LOSSY_VERIFIERS, Verifier
 from specsim.tree import Tree
 

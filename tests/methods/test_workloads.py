@@ -7,8 +7,8 @@ import socket
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from methods.workloads import Prompt, load_prompts
-from methods.zoo.corpus import corpus, module_sources, split_of
+from methods.data.corpus import corpus, module_sources, split_of
+from methods.data.workloads import Prompt, load_prompts
 from methods.zoo.tokenizer import EOS, train_tokenizer, wrap
 from specsim.config import WorkloadConfig
 

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from methods.data.corpus import SPLITS, corpus, module_sources, split_of
 from methods.zoo import build
-from methods.zoo.corpus import SPLITS, corpus, module_sources, split_of
 from methods.zoo.quality import HeldOut, eval_windows, forward_times, held_out, is_looping
 from methods.zoo.train import ModelSpec, Windows, lr_factor, n_params, new_model
 from specsim.config import ModelConfig

@@ -1,6 +1,6 @@
 """``method.drafter`` name → drafter class. One line per method; classes are imported only when asked for,
 so importing the registry is cheap. Every class has ``from_config(method, tree, models, sampling)`` and
-implements methods.drafter.Drafter; tests iterate over ``names()`` (greedy equivalence, losslessness)."""
+implements methods.core.drafter.Drafter; tests iterate over ``names()`` (greedy equivalence, losslessness)."""
 
 from __future__ import annotations
 

@@ -12,18 +12,18 @@ from collections.abc import Sequence
 
 import torch
 
-from methods.engine import ModelEngine
+from methods.core.engine import ModelEngine
 from specsim.tree import Tree
 
 
 def forward_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int], reps: int, warmup: int,
                   seed: int = 0) -> dict[int, list[float]]:
-    """Seconds of ``reps`` tree forwards (methods.engine.forward_tree, the loop's verify) over n tokens after
-    ``context`` (T,) committed tokens, for n in ``sizes``, after ``warmup`` untimed rounds. Star-shaped trees:
-    the cost depends on n, not on the shape. Each round times every size once, so a slow drift of a shared
-    machine hits all sizes alike; each timed forward follows an untimed one of the same size, warm as the
-    loop's back-to-back steps are (timed right after the largest size, t(1..8) of the zoo target read up to
-    50% slow: caches full of the other size's activations)."""
+    """Seconds of ``reps`` tree forwards (methods.core.engine.forward_tree, the loop's verify) over n tokens
+    after ``context`` (T,) committed tokens, for n in ``sizes``, after ``warmup`` untimed rounds. Star-shaped
+    trees: the cost depends on n, not on the shape. Each round times every size once, so a slow drift of a
+    shared machine hits all sizes alike; each timed forward follows an untimed one of the same size, warm as
+    the loop's back-to-back steps are (timed right after the largest size, t(1..8) of the zoo target read up
+    to 50% slow: caches full of the other size's activations)."""
     engine.reset()
     engine.prefill(context)
     gen = torch.Generator().manual_seed(seed)

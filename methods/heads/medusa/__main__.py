@@ -1,5 +1,5 @@
-"""``python -m methods.medusa [--zoo default] [--steps N] [--joint]``: train (or find cached) Medusa heads on
-a zoo target and print the report: training time, per-head top-1/top-5 accuracy on the test split
+"""``python -m methods.heads.medusa [--zoo default] [--steps N] [--joint]``: train (or find cached) Medusa
+heads on a zoo target and print the report: training time, per-head top-1/top-5 accuracy on the test split
 (teacher-forced and on greedy continuations), and the expected accepted tokens k̄ of Medusa trees built from
 the measured accuracies (Cai et al., 2024; p = target, q = heads)."""
 
@@ -12,7 +12,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m methods.medusa", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m methods.heads.medusa", description=__doc__)
     ap.add_argument("--zoo", default="default")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="Medusa-1 steps (default: TrainConfig's)")
@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from methods.medusa.store import ensure_medusa
-    from methods.medusa.train import TrainConfig
-    from methods.medusa.tree import expected_tokens, greedy_tree
+    from methods.heads.medusa.store import ensure_medusa
+    from methods.heads.medusa.train import TrainConfig
+    from methods.heads.medusa.tree import expected_tokens, greedy_tree
     from methods.zoo import ensure_zoo
     from specsim.tree import Tree
 

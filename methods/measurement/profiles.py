@@ -16,7 +16,6 @@ import hashlib
 import json
 import platform
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,10 +124,33 @@ def _resolved(path: str) -> str:
     return str(Path(path).resolve()) if path and Path(path).exists() else path
 
 
+@dataclass(frozen=True)
+class StarRule:
+    """How a star tree's children are chosen and verified."""
+
+    sample: bool  # W draws without replacement from q (else q's top-W, deterministic)
+    verifier: Verifier
+
+    @property
+    def name(self) -> str:
+        return f"{self.verifier.value}-{'sample' if self.sample else 'topk'}"
+
+
+def star_rule(cfg: RunConfig) -> StarRule:
+    """Temperature 0: top-W, greedy verification (the accepted rank is the rank of p's argmax, if there).
+    Otherwise Sequoia's sampling without replacement and its verifier — unless the method verifies
+    deterministic drafts (deterministic, or Medusa's lossy typical): then top-W with that verifier."""
+    if cfg.workload.temperature == 0:
+        return StarRule(False, Verifier.greedy)
+    v = Verifier(cfg.method.verifier)
+    if v in (Verifier.deterministic, Verifier.typical):
+        return StarRule(False, v)
+    return StarRule(True, Verifier.sequoia)
+
+
 def key_document(cfg: RunConfig) -> dict[str, Any]:
     """Everything a profile is keyed by: model, drafter and its params with the star-tree rule, workload
     (the vector depends on the text and on the sampling; t(n) on the context length), device, width."""
-    from methods.calibrate import star_rule  # the rule that produced the vector is part of what it means
 
     w = cfg.workload
     return {
@@ -206,27 +228,6 @@ def missing_budgets(profile: Profile, cfg: RunConfig) -> list[int]:
     return sorted(set(int(b) for b in cfg.tree.budgets) - set(profile.t_n))
 
 
-def ensure_profile(
-    cfg: RunConfig, models=None, cache: Path | None = None, show_progress: bool = True
-) -> Profile:
-    """The cached profile, or calibrate now (printing a notice) and cache it. ``models``
-    (methods.models.Models) avoids loading them twice when the caller has them. A profile without t(n) for
-    one of cfg.tree.budgets is measured again."""
-    path = profile_path(cfg, cache)
-    with profile_lock(path):
-        profile = load_profile(cfg, cache)
-        if profile is not None and not missing_budgets(profile, cfg):
-            return profile
-        from methods.calibrate import measure_profile
-
-        why = "no profile yet" if profile is None else f"no t(n) for budgets {missing_budgets(profile, cfg)}"
-        print(f"calibrating {cfg.method.drafter} on {cfg.model.name}/{cfg.workload.name} ({why}; "
-              f"cached for later runs in {path})", file=sys.stderr, flush=True)
-        profile = measure_profile(cfg, models, show_progress=show_progress)
-        save_profile(profile, path)
-    return profile
-
-
 # ---- the simulator's view -----------------------------------------------------------------------------
 def to_measured_cost(profile: Profile) -> MeasuredCost:
     """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``),
@@ -266,7 +267,7 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") 
     out = measured_acceptance(cfg, profile, acceptance)
     m = out.method
     ratio = profile.draft_time_s / float(to_measured_cost(profile).time(1))  # the simulator's t_AR units
-    m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (methods.calibrate)
+    m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (calibrate)
     if m.draft_steps == "depth":
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:

@@ -18,10 +18,20 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from methods.fast_llama import FastLlama
-from methods.fast_llama import supports as supports_fast
-from methods.models import context_length
+from methods.core.fast_llama import FastLlama
+from methods.core.fast_llama import supports as supports_fast
 from specsim.tree import Tree
+
+
+def context_length(model: PreTrainedModel) -> int:
+    """Positions the model was built for (Llama/NeoX: max_position_embeddings, GPT-2: n_positions)."""
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(cfg, key, None)
+        if value:
+            return int(value)
+    raise ValueError(f"{type(model).__name__}: cannot find the context length in its config")
+
 
 _MAX_TREE_CACHE = 64  # per-engine memo of tree masks; dynamic trees would otherwise grow it without bound
 
@@ -30,6 +40,7 @@ _MAX_TREE_CACHE = 64  # per-engine memo of tree masks; dynamic trees would other
 class ForwardOut:
     logits: torch.Tensor  # (n, V) float32
     hidden: torch.Tensor | None  # (n, H) last-layer hidden states (after the final norm), when asked
+    features: torch.Tensor | None = None  # (n, k H) outputs of the k asked decoder layers, concatenated
 
 
 class BufferLayer(DynamicLayer):
@@ -97,7 +108,7 @@ class ModelEngine:
     def __init__(self, model: PreTrainedModel, capacity: int | None = None, fast: bool = True,
                  pack: bool | None = None):
         """``fast``: the lean Llama forward where the model supports it; ``pack``: its oneDNN-prepacked CPU
-        projections (None = where they work, see ``methods.fast_llama``)."""
+        projections (None = where they work, see ``methods.core.fast_llama``)."""
         self.model = model
         cpu_fp32_attention = torch.float32 if model.device.type == "cpu" else None
         self.fast = FastLlama(model, cpu_fp32_attention, pack) if fast and supports_fast(model) else None
@@ -105,7 +116,7 @@ class ModelEngine:
         self.head = model.get_output_embeddings()
         self.context = context_length(model)
         self.device, self.dtype = model.device, model.dtype
-        n_layers = model.config.get_text_config().num_hidden_layers
+        self.n_layers = n_layers = model.config.get_text_config().num_hidden_layers
         cap = min(capacity or self.context, self.context)
         self.cache = Cache(layers=[BufferLayer(cap) for _ in range(n_layers)])
         self.mask_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype  # = the attention's
@@ -137,30 +148,34 @@ class ModelEngine:
 
     # ---- forwards -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, hidden: bool = False) -> ForwardOut | None:
-        """Append committed tokens ids (T,) causally; logits of the last one (and hidden of all, if asked).
-        Returns None for an empty ``ids``."""
+    def prefill(self, ids: torch.Tensor, hidden: bool = False, layers: tuple[int, ...] = ()
+                ) -> ForwardOut | None:
+        """Append committed tokens ids (T,) causally; logits of the last one (and hidden of all, and the
+        outputs of decoder ``layers`` of all, if asked). Returns None for an empty ``ids``."""
         assert self.pending == 0, "commit or drop pending nodes before a prefill"
         n = int(ids.numel())
         if n == 0:
             return None
         self.check_fits(self.length + n)
-        out = self.extend(ids, list(range(-1, n - 1)), hidden=hidden, last_only=True)
+        out = self.extend(ids, list(range(-1, n - 1)), hidden=hidden, last_only=True, layers=layers)
         self.commit(range(n))
         return out
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False) -> ForwardOut:
-        """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix."""
+    def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False, layers: tuple[int, ...] = ()
+                     ) -> ForwardOut:
+        """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix; ``layers``:
+        decoder layers whose outputs come back as ``features``."""
         assert self.pending == 0, "forward_tree starts from a fully committed cache"
         bias, depths, anc, depth = self._tree_consts(tree)
         self.check_fits(self.length + depth + 1)
         self._anc, self._pos = anc, (tree.depths + self.length).tolist()
-        return self._forward(tokens, bias, depths + self.length, hidden, last_only=False)
+        return self._forward(tokens, bias, depths + self.length, hidden, last_only=False, layers=layers)
 
     @torch.inference_mode()
     def extend(
-        self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False
+        self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False,
+        layers: tuple[int, ...] = (),
     ) -> ForwardOut:
         """Append pending nodes; parents[i] is a pending index (earlier, or one of these: P + j, j < i) or -1
         for the committed prefix. Returns logits of all new nodes (or only the last)."""
@@ -180,32 +195,40 @@ class ModelEngine:
         rows = anc[p0:]
         bias = None if rows.all() else self._bias(rows)
         position = torch.tensor(pos[p0:], dtype=torch.long, device=self.device)
-        return self._forward(tokens, bias, position, hidden, last_only)
+        return self._forward(tokens, bias, position, hidden, last_only, layers)
 
     def _forward(
         self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor, hidden: bool,
-        last_only: bool,
+        last_only: bool, layers: tuple[int, ...] = (),
     ) -> ForwardOut:
         n = int(tokens.numel())
         start = self.length + self.pending - n  # cache slots before these nodes
         ids = tokens.reshape(n).to(self.device)
+        taps = dict.fromkeys(layers) if layers else None
         if self.fast is not None:  # no mask = attend to everything (one node whose ancestors are all pending)
             mask = None if bias is None else self._mask_view(n, start, bias)
-            h = self.fast.forward(ids, position, mask, self.cache.layers)  # (n, H)
+            h = self.fast.forward(ids, position, mask, self.cache.layers, taps)  # (n, H)
+            if taps is not None and self.n_layers - 1 in taps:  # HF's last hidden state is after the norm
+                taps[self.n_layers - 1] = h
         else:
             mask = self._mask_view(n, start, bias)
-            h = self.base(
+            out = self.base(
                 input_ids=ids.view(1, n),
                 attention_mask=mask,
                 position_ids=position.view(1, n),
                 past_key_values=self.cache,
                 use_cache=True,
-            ).last_hidden_state[0]  # (n, H)
+                output_hidden_states=bool(layers),
+            )
+            h = out.last_hidden_state[0]  # (n, H)
+            if taps is not None:
+                taps = {i: out.hidden_states[i + 1][0] for i in layers}
         if bias is not None:  # the tree block of the mask becomes prefix columns later: restore zeros
             mask[0, 0, :, self.length :].zero_()
         h_out = h[-1:] if last_only else h  # (n or 1, H)
         logits = (self.fast.logits(h_out) if self.fast is not None else self.head(h_out)).float()
-        return ForwardOut(logits, h if hidden else None)
+        features = torch.cat([taps[i] for i in layers], dim=-1) if taps is not None else None  # (n, k H)
+        return ForwardOut(logits, h if hidden else None, features)
 
     def _mask_view(self, n: int, start: int, bias: torch.Tensor | None) -> torch.Tensor:
         """(1, 1, n, start + n) additive mask: 0 on the prefix, ``bias`` over the pending columns."""

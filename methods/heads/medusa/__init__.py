@@ -5,9 +5,9 @@ like the zoo), checkpoint (our layout and the published FasterDecoding/Medusa la
 tree from measured per-head top-k accuracies). The drafter is methods.drafters.medusa. p = target, q = heads.
 """
 
-from methods.medusa.checkpoint import LoadedHeads, load_heads, save_heads, save_published
-from methods.medusa.heads import HeadsConfig, MedusaHeads, ResBlock
-from methods.medusa.tree import MedusaTree, expected_tokens, greedy_tree
+from methods.heads.medusa.checkpoint import LoadedHeads, load_heads, save_heads, save_published
+from methods.heads.medusa.heads import HeadsConfig, MedusaHeads, ResBlock
+from methods.heads.medusa.tree import MedusaTree, expected_tokens, greedy_tree
 
 __all__ = [
     "HeadsConfig",

@@ -26,17 +26,30 @@ class Draft:
     q:      (N, V) float or None. Row i is the (processed) draft distribution from which the children of
             node i were drawn; rows of leaves are unused. None = deterministic draft (one-hot q: greedy
             drafts, n-gram lookups, top-k expansions), verified by the deterministic rule.
+    n_verifiable: None = every node may be accepted. Otherwise only nodes 0..n_verifiable-1 form the
+            verification tree (closed under ancestors, as parents precede children); the later nodes are
+            computed in the same target forward but never accepted (Lookahead's Jacobi branch): their
+            target logits come back in ``StepFeedback.logits`` and their KV is dropped.
     """
 
     tree: Tree
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    n_verifiable: int | None = None
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.numel() == self.tree.size, (
             f"tokens {tuple(self.tokens.shape)} do not match tree size {self.tree.size}"
         )
         assert self.q is None or self.q.shape[0] == self.tree.size, "q needs one row per node"
+        assert self.n_verifiable is None or 1 <= self.n_verifiable <= self.tree.size, (
+            f"n_verifiable {self.n_verifiable} outside 1..{self.tree.size}"
+        )
+
+    @property
+    def verifiable(self) -> int:
+        """How many leading nodes form the verification tree."""
+        return self.tree.size if self.n_verifiable is None else self.n_verifiable
 
 
 @dataclass(frozen=True)
@@ -47,12 +60,17 @@ class DraftContext:
     hidden:   (t', H) target last-layer hidden states of committed tokens not yet shown to the drafter
               (only when ``needs_hidden_states``), else None.
     generator: the run's torch.Generator (drafters that sample must use it).
+    features: (t', k H) outputs of the target's decoder layers ``feature_layers`` (k of them, concatenated
+              in that order; HF's ``hidden_states[i + 1]``: the last layer's after the final norm) for the
+              same tokens as ``hidden``; None unless the drafter declares ``feature_layers`` (EAGLE-3's
+              low/middle/high fusion).
     """
 
     tokens: torch.Tensor
     hidden: torch.Tensor | None
     generator: torch.Generator
     max_new: int  # tokens the run may still emit; a drafter should not propose deeper than this
+    features: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -61,15 +79,22 @@ class StepFeedback:
 
     accepted: node indices of the accepted path, root first (len = accepted drafts + 1).
     next_token: the bonus / corrected token (the next root).
+    logits: (N, V) float32 raw target logits at every node of the draft (unverifiable nodes included), as
+            the verify forward computed them: Lookahead reads its Jacobi branch from them, Online SD the
+            target's distributions. A reference, not a copy; valid until the next step.
     """
 
     draft: Draft
     accepted: tuple[int, ...]
     next_token: int
+    logits: torch.Tensor | None = None
 
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Optional class attribute ``feature_layers: tuple[int, ...]`` (default ()): decoder layers whose
+    outputs the drafter reads in ``DraftContext.features``."""
+
     needs_hidden_states: bool
 
     def reset(self, prompt: torch.Tensor) -> None:

@@ -6,10 +6,11 @@ autoregressive baseline and with the method through the same loop and timers (in
 a shared machine hit both). Metrics follow DESIGN.md's contract; tau counts the bonus token.
 
 Every drafter's run also reads (or calibrates once, cached) its measured profile on this device
-(methods.profiles): ``predicted_*`` are then the simulator's figures for the decoded tree under the measured
-acceptance (Medusa: one vector per head) — with this device's t(n) and draft time for ``hardware=cpu``, the
-preset's roofline otherwise; both are kept (``*_this_device``, ``*_hardware``). ``decode_speedup`` leaves
-out the prompt's prefill (of the target, and of a draft model), which the per-step cost model does not price.
+(methods.measurement.profiles): ``predicted_*`` are then the simulator's figures for the decoded tree under
+the measured acceptance (Medusa: one vector per head) — with this device's t(n) and draft time for
+``hardware=cpu``, the preset's roofline otherwise; both are kept (``*_this_device``, ``*_hardware``).
+``decode_speedup`` leaves out the prompt's prefill (of the target, and of a draft model), which the per-step
+cost model does not price.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from methods.core.engine import ModelEngine
+from methods.core.loop import DecodeOptions, DecodeResult, decode
+from methods.core.metrics import AcceptStats
+from methods.core.sampling import SamplingParams
+from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.engine import ModelEngine
-from methods.loop import DecodeOptions, DecodeResult, decode
-from methods.metrics import AcceptStats
-from methods.models import load_models
-from methods.profiles import (
-    ensure_profile,
+from methods.drafters.registry import build_drafter
+from methods.measurement.calibrate import ensure_profile
+from methods.measurement.profiles import (
     prediction_metrics,
     profile_config,
     profile_path,
@@ -34,9 +37,7 @@ from methods.profiles import (
     sequoia_tree_for,
     tree_predictions,
 )
-from methods.registry import build_drafter
-from methods.sampling import SamplingParams
-from methods.workloads import load_prompts
+from methods.models import load_models
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
 from specsim.tree import Tree

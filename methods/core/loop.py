@@ -1,9 +1,9 @@
 """The one decode loop of every method: propose → verify forward → accept → commit (p = target, q = draft).
 
-Contract of methods.drafter: the target's cache holds x_1..x_{t-1}; the draft's root is x_t. Each step runs
-ONE target forward over the draft tree (tree attention), a config-chosen verifier (methods.verify) picks the
-accepted path and the bonus/corrected token, the path's KV is committed and the bonus becomes the next root.
-The autoregressive baseline is the drafter proposing the root alone: same loop, same timers.
+Contract of methods.core.drafter: the target's cache holds x_1..x_{t-1}; the draft's root is x_t. Each step
+runs ONE target forward over the draft tree (tree attention), a config-chosen verifier (methods.core.verify)
+picks the accepted path and the bonus/corrected token, the path's KV is committed and the bonus becomes the
+next root. The autoregressive baseline is the drafter proposing the root alone: same loop, same timers.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from methods.drafter import Draft, DraftContext, Drafter, StepFeedback
-from methods.engine import ModelEngine
-from methods.metrics import AcceptStats
-from methods.sampling import SamplingParams, probs, sample
-from methods.verify import verify
+from methods.core.drafter import Draft, DraftContext, Drafter, StepFeedback
+from methods.core.engine import ModelEngine
+from methods.core.metrics import AcceptStats
+from methods.core.sampling import SamplingParams, probs, sample
+from methods.core.verify import verify
 from specsim.config import Verifier
 from specsim.tree import Tree
 
@@ -54,23 +54,26 @@ def decode(
     prompt = prompt.detach().to("cpu", torch.long).view(-1)
     n_prompt, max_new = prompt.numel(), opts.max_new_tokens
     want_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+    layers = tuple(getattr(drafter, "feature_layers", ()))
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    tokens, hidden = _start(target, drafter, prompt, max_new, want_hidden)
+    tokens, hidden, features = _start(target, drafter, prompt, max_new, (want_hidden, layers))
     sync()
     res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start)
     t, end = n_prompt, n_prompt + max_new
     while t < end:
         t0 = time.perf_counter()
-        draft = _propose(drafter, DraftContext(tokens[:t], hidden, generator, end - t), target.device)
+        ctx = DraftContext(tokens[:t], hidden, generator, end - t, features)
+        draft = _propose(drafter, ctx, target.device)
         sync()
         t1 = time.perf_counter()
-        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden)
-        path, next_token = _verify(draft, out.logits, opts, generator)
+        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers)
+        checked = verification_draft(draft)  # the nodes that may be accepted (all, for most drafters)
+        path, next_token = _verify(checked, out.logits[: checked.tree.size], opts, generator)
         target.commit(path)
         t2 = time.perf_counter()
         res.n_target_forwards += 1
         res.accepted_lengths.append(len(path))
-        res.stats.record(draft.tree, path)
+        res.stats.record(checked.tree, path)
         drafted = draft.tokens.tolist()
         new = [drafted[i] for i in path[1:]] + [next_token]
         new, stop = _cut(new, end - t, opts.eos_token_id)
@@ -82,7 +85,8 @@ def decode(
             res.time_draft_s += t1 - t0
             break
         hidden = out.hidden[list(path)] if want_hidden else None
-        drafter.feedback(StepFeedback(draft, path, next_token))
+        features = out.features[list(path)] if layers else None
+        drafter.feedback(StepFeedback(draft, path, next_token, out.logits))
         sync()
         res.time_draft_s += t1 - t0 + time.perf_counter() - t2
     res.token_ids = tokens[n_prompt:t].tolist()
@@ -91,24 +95,27 @@ def decode(
 
 
 def _start(
-    target: ModelEngine, drafter: Drafter, prompt: torch.Tensor, max_new: int, want_hidden: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reset both sides, prefill x_1..x_{t-1}; the committed-token buffer and the prefill's hidden states."""
+    target: ModelEngine, drafter: Drafter, prompt: torch.Tensor, max_new: int, wants: tuple[bool, tuple]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Reset both sides, prefill x_1..x_{t-1}; the committed-token buffer and the prefill's hidden states
+    and features (``wants`` = (hidden wanted, feature layers))."""
+    want_hidden, layers = wants
     n_prompt = prompt.numel()
     assert n_prompt >= 1, "the prompt needs at least one token (the first root)"
     target.reset()
     target.check_fits(n_prompt + max_new)
     tokens = torch.empty(n_prompt + max_new, dtype=torch.long)  # committed sequence, host side
     tokens[:n_prompt] = prompt
-    pre = target.prefill(prompt[:-1], hidden=want_hidden)
+    pre = target.prefill(prompt[:-1], hidden=want_hidden, layers=layers)
     drafter.reset(prompt)
-    return tokens, (pre.hidden if (want_hidden and pre is not None) else None)
+    hidden = pre.hidden if (want_hidden and pre is not None) else None
+    return tokens, hidden, (pre.features if (layers and pre is not None) else None)
 
 
 def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft:
     draft = limit_depth(drafter.propose(ctx), ctx.max_new)
     if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
-        draft = Draft(draft.tree, draft.tokens.to(device), draft.q)
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable)
     return draft
 
 
@@ -124,6 +131,14 @@ def _verify(
     p = probs(logits, opts.sampling)  # (N, V)
     result = verify(opts.verifier, draft, p, generator, **opts.verify_params)
     return tuple(result.accepted), int(result.next_token)
+
+
+def verification_draft(draft: Draft) -> Draft:
+    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft itself."""
+    n = draft.verifiable
+    if n == draft.tree.size:
+        return draft
+    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], None if draft.q is None else draft.q[:n])
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
@@ -143,7 +158,8 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
         return draft
     keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
     idx = torch.tensor(keep, device=draft.tokens.device)
-    return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx])
+    n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
+    return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx], n_ver)
 
 
 def subtree(tree: Tree, keep: list[int]) -> Tree:

@@ -170,11 +170,13 @@ class FastLlama:
         return w * h.to(x.dtype)
 
     def forward(
-        self, ids: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, kv: list
+        self, ids: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, kv: list,
+        taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """ids, position: (n,); mask: (1, 1, n, L) additive in attn_dtype, or None (attend to everything); kv:
         the cache layers (``update(k, v)`` appends and returns the (1, Hkv, L, D) views). Returns (n, H) after
-        the final norm."""
+        the final norm. ``taps``: for each key i, the output (n, H) of decoder layer i (0-based, before the
+        final norm) is stored under i."""
         if self.packed and self._stamp() != self._version:  # the model's weights changed in place
             self._repack()
         n, d = ids.shape[0], self.head_dim
@@ -184,7 +186,7 @@ class FastLlama:
         hq, k_end = self.n_heads, (self.n_heads + self.n_kv) * d
         gqa, adt = self.n_heads != self.n_kv, self.attn_dtype
         cast = adt != x.dtype
-        for layer, cache in zip(self.layers, kv):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv)):
             qkv = linear(self._rms(x, layer.ln_in), layer.w_qkv)  # (n, (Hq + 2Hkv) D)
             qk = _rope(qkv[:, :k_end].view(n, -1, d), cos, sin)  # (n, Hq + Hkv, D): one rotation for both
             v = qkv[:, k_end:].view(n, -1, d)
@@ -198,6 +200,8 @@ class FastLlama:
             x = x + linear(att.to(x.dtype) if cast else att, layer.w_o)
             gate, up = linear(self._rms(x, layer.ln_post), layer.w_gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.w_down)
+            if taps is not None and i in taps:
+                taps[i] = x
         return self._rms(x, self.norm)
 
 

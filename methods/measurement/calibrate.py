@@ -4,8 +4,8 @@ p = target, q = draft. Along the target's own generation on the calibration spli
 workload's temperature) every position gets a one-level star tree of W children — q's top-W at temperature 0,
 W draws without replacement from q otherwise — verified by the matching verifier against p; the histogram of
 the accepted rank is the positional vector [0, p_1, …, p_W, p_none]. Also α_d of the drafter's chain/tree in
-the real loop, the target's t(n) (tree forwards of methods.engine), the draft step time and t_AR: a
-methods.profiles Profile, cached for tree=sequoia and the simulator's hardware=cpu validation.
+the real loop, the target's t(n) (tree forwards of methods.core.engine), the draft step time and t_AR: a
+methods.measurement.profiles Profile, cached for tree=sequoia and the simulator's hardware=cpu validation.
 """
 
 from __future__ import annotations
@@ -25,26 +25,30 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from methods.drafter import Draft, DraftContext
+from methods.core.drafter import Draft, DraftContext
+from methods.core.engine import ForwardOut, ModelEngine
+from methods.core.loop import DecodeOptions, decode
+from methods.core.metrics import AcceptStats
+from methods.core.sampling import SamplingParams, probs
+from methods.core.timing import forward_times, verify_times
+from methods.core.verify import verify
+from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.engine import ForwardOut, ModelEngine
-from methods.loop import DecodeOptions, decode
-from methods.metrics import AcceptStats
-from methods.models import Models, context_length, load_models
-from methods.profiles import (
+from methods.drafters.registry import build_drafter
+from methods.measurement.profiles import (
     Profile,
+    StarRule,
     device_name,
+    load_profile,
+    missing_budgets,
     profile_key,
     profile_lock,
     profile_path,
     save_profile,
     sequoia_tree_for,
+    star_rule,
 )
-from methods.registry import build_drafter
-from methods.sampling import SamplingParams, probs
-from methods.timing import forward_times, verify_times
-from methods.verify import verify
-from methods.workloads import load_prompts
+from methods.models import Models, context_length, load_models
 from specsim.acceptance import from_config
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.cost import CostModel
@@ -52,35 +56,12 @@ from specsim.io import atomic_write_json
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-__all__ = ["CalibrationResult", "Star", "StarRule", "calibrate", "measure_profile", "rank_vector",
-           "sequoia_tree_for", "star_children", "star_ranks", "star_rule", "forward_times", "verify_times"]
+__all__ = ["CalibrationResult", "Star", "StarRule", "calibrate", "ensure_profile", "measure_profile",
+           "rank_vector", "sequoia_tree_for", "star_children", "star_ranks", "star_rule", "forward_times",
+           "verify_times"]
 
 
 # ---- the star tree ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StarRule:
-    """How a star tree's children are chosen and verified."""
-
-    sample: bool  # W draws without replacement from q (else q's top-W, deterministic)
-    verifier: Verifier
-
-    @property
-    def name(self) -> str:
-        return f"{self.verifier.value}-{'sample' if self.sample else 'topk'}"
-
-
-def star_rule(cfg: RunConfig) -> StarRule:
-    """Temperature 0: top-W, greedy verification (the accepted rank is the rank of p's argmax, if there).
-    Otherwise Sequoia's sampling without replacement and its verifier — unless the method verifies
-    deterministic drafts (deterministic, or Medusa's lossy typical): then top-W with that verifier."""
-    if cfg.workload.temperature == 0:
-        return StarRule(False, Verifier.greedy)
-    v = Verifier(cfg.method.verifier)
-    if v in (Verifier.deterministic, Verifier.typical):
-        return StarRule(False, v)
-    return StarRule(True, Verifier.sequoia)
-
-
 @dataclass(frozen=True)
 class Star:
     children: torch.Tensor  # (k,) tokens in rank order (k <= W)
@@ -102,8 +83,9 @@ def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: 
 
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
                generator: torch.Generator) -> list[int | None]:
-    """Verify one star tree per position with the configured verifier (methods.verify): p (T, V) processed
-    target law after each root, roots (T,) root tokens. The accepted child's rank (0-based), None if none."""
+    """Verify one star tree per position with the configured verifier (methods.core.verify): p (T, V)
+    processed target law after each root, roots (T,) root tokens. The accepted child's rank (0-based), None
+    if none."""
     out: list[int | None] = []
     for t, star in enumerate(stars):
         k = int(star.children.numel())
@@ -137,7 +119,7 @@ class _Run:
     models: Models
     target: ModelEngine
     draft: ModelEngine | None  # the draft model's, when there is one
-    drafter: Any  # methods.drafter.Drafter, built for the depth tree
+    drafter: Any  # methods.core.drafter.Drafter, built for the depth tree
     tree: Tree  # the drafter's chain/tree for acceptance_by_depth
     prompts: list[torch.Tensor]
     sampling: SamplingParams
@@ -431,3 +413,22 @@ def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, A
         "sequoia_predicted_speedup_this_device": here["predicted_speedup"],
         "sequoia_predicted_speedup_hardware": preset["predicted_speedup"],
     }
+
+
+def ensure_profile(
+    cfg: RunConfig, models=None, cache: Path | None = None, show_progress: bool = True
+) -> Profile:
+    """The cached profile, or calibrate now (printing a notice) and cache it. ``models``
+    (methods.models.Models) avoids loading them twice when the caller has them. A profile without t(n) for
+    one of cfg.tree.budgets is measured again."""
+    path = profile_path(cfg, cache)
+    with profile_lock(path):
+        profile = load_profile(cfg, cache)
+        if profile is not None and not missing_budgets(profile, cfg):
+            return profile
+        why = "no profile yet" if profile is None else f"no t(n) for budgets {missing_budgets(profile, cfg)}"
+        print(f"calibrating {cfg.method.drafter} on {cfg.model.name}/{cfg.workload.name} ({why}; "
+              f"cached for later runs in {path})", file=sys.stderr, flush=True)
+        profile = measure_profile(cfg, models, show_progress=show_progress)
+        save_profile(profile, path)
+    return profile

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from methods.medusa.heads import HeadsConfig, MedusaHeads
+from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.zoo.train import sample_batch
 
 IGNORE = -100

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from methods.medusa.heads import HeadsConfig, MedusaHeads
+from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 
 FORMAT = "specsim-medusa-heads"
 OURS_WEIGHTS, OURS_META = "heads.safetensors", "medusa.json"

@@ -50,7 +50,7 @@ class MedusaHeads(nn.Module):
     """K heads; ``heads[k-1]`` predicts the token k+1 positions after the hidden state's token.
 
     State-dict keys are ``heads.{k}.{j}.linear.{weight,bias}`` (j < L) and ``heads.{k}.{L}.weight`` — the
-    published layout with a ``heads.`` prefix (see methods.medusa.checkpoint).
+    published layout with a ``heads.`` prefix (see methods.heads.medusa.checkpoint).
     """
 
     def __init__(self, cfg: HeadsConfig) -> None:

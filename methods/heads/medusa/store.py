@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from methods.medusa.checkpoint import save_heads
-from methods.medusa.train import TrainConfig, greedy_continuations, head_accuracy, sample_windows, train
+from methods.heads.medusa.checkpoint import save_heads
+from methods.heads.medusa.train import TrainConfig, greedy_continuations, head_accuracy, sample_windows, train
 
 VERSION = 1  # bump when training or evaluation changes meaningfully (invalidates cached heads)
 
@@ -186,7 +186,7 @@ def corpus_tokens(
     """A seeded random subset of the embedded corpus split (stdlib modules: source with its docstrings and
     comments) of about ``max_chars`` characters, as one 1-D stream packed like the zoo's training data:
     each document preceded by EOS."""
-    from methods.zoo.corpus import corpus
+    from methods.data.corpus import corpus
 
     docs = corpus(split, "code")
     order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from methods.drafter import Draft
-from methods.sampling import Randomness, as_randomness
+from methods.core.drafter import Draft
+from methods.core.sampling import Randomness, as_randomness
 from specsim.config import Verifier
 
 Source = torch.Generator | Randomness

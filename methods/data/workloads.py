@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from methods.zoo.corpus import Document, corpus
+from methods.data.corpus import Document, corpus
 from specsim.config import WorkloadConfig
 
 KINDS = ("code", "prose", "grounded")
