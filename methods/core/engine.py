@@ -162,10 +162,11 @@ class ModelEngine:
         return out
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False, layers: tuple[int, ...] = ()
-                     ) -> ForwardOut:
-        """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix; ``layers``:
-        decoder layers whose outputs come back as ``features``."""
+    def forward_tree(
+        self, tokens: torch.Tensor, tree: Tree, hidden: bool = False, layers: tuple[int, ...] = ()
+    ) -> ForwardOut:
+        """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix;
+        ``layers``: decoder layers whose outputs come back as ``features``."""
         assert self.pending == 0, "forward_tree starts from a fully committed cache"
         bias, depths, anc, depth = self._tree_consts(tree)
         self.check_fits(self.length + depth + 1)

@@ -134,11 +134,13 @@ def _verify(
 
 
 def verification_draft(draft: Draft) -> Draft:
-    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft itself."""
+    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft
+    itself."""
     n = draft.verifiable
     if n == draft.tree.size:
         return draft
-    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    q = None if draft.q is None else draft.q[:n]
+    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], q)
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
