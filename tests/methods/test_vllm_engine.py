@@ -1,0 +1,72 @@
+"""engine=vllm's pieces that need no vLLM: which methods it runs and how they map to vLLM's speculative
+methods, its counters (tau from drafts and accepted tokens), the profile priced with vLLM's own steps, and
+the peer benchmark's clean exit where vLLM is not installed. vLLM itself is exercised by
+benchmarks/vs_vllm.py and run.py engine=vllm in .venv-vllm, never in the test suite's required path."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from methods.measurement.profiles import Profile, to_measured_cost
+from methods.measurement.vllm_engine import INSTALL_HINT, VLLM_METHODS, Counters, available, plan_for
+from methods.measurement.vllm_measure import vllm_profile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_plans_map_specsim_methods_to_vllm_ones():
+    assert plan_for("autoregressive", 4, None).config() is None
+    draft = plan_for("draft_model", 4, "/ckpt/draft").config()
+    assert draft == {"method": "draft_model", "num_speculative_tokens": 4, "model": "/ckpt/draft"}
+    ngram = plan_for("prompt_lookup", 3, None, {"min_ngram": 2, "max_ngram": 5}).config()
+    assert ngram == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                     "prompt_lookup_max": 5}
+
+
+def test_unsupported_methods_and_missing_drafts_are_clear_errors():
+    with pytest.raises(ValueError, match="engine=vllm runs autoregressive, draft_model, prompt_lookup"):
+        plan_for("medusa", 4, None)
+    with pytest.raises(ValueError, match="draft checkpoint"):
+        plan_for("draft_model", 4, None)
+    assert set(VLLM_METHODS) >= {"autoregressive", "draft_model", "prompt_lookup"}
+
+
+def test_counters_give_tau_and_acceptance_by_position():
+    before = Counters(10, 40, 20, [8, 6, 4, 2])
+    after = Counters(30, 120, 80, [24, 22, 20, 14])
+    step = after.minus(before)
+    assert (step.drafts, step.draft_tokens, step.accepted) == (20, 80, 60)
+    assert step.accepted_per_pos == [16, 16, 16, 12]
+    assert step.tau == pytest.approx(1 + 60 / 20)
+    assert step.by_position == [0.8, 0.8, 0.8, 0.6]
+    assert Counters().tau == 1.0 and Counters().by_position == []
+    assert Counters().plus(step).accepted_per_pos == step.accepted_per_pos  # ragged lengths pad with zeros
+
+
+def _profile() -> Profile:
+    return Profile((0.0, 0.6, 0.2, 0.2), (0.6, 0.5), {1: 2e-3, 4: 2.4e-3, 8: 3e-3}, 5e-4, 2.2e-3, "zoo",
+                   "draft_model", "code", "cpu", "bfloat16", 2, 100, "now", verify_overhead_s=1e-4)
+
+
+def test_vllm_profile_keeps_specsim_ratios_at_vllms_step():
+    prof = _profile()
+    t1 = 11e-3  # vLLM's plain step
+    priced = vllm_profile(prof, t1, draft_step=3e-3)
+    cost, ref = to_measured_cost(priced), to_measured_cost(prof)
+    assert cost.time(1) == pytest.approx(t1)
+    assert cost.time(8) / cost.time(1) == pytest.approx(ref.time(8) / ref.time(1))
+    assert priced.draft_time_s == 3e-3 and priced.acceptance_vector == prof.acceptance_vector
+    assert dataclasses.replace(priced, t_n=prof.t_n).t_n == prof.t_n  # the original is untouched
+
+
+@pytest.mark.skipif(available(), reason="checks the message shown where vLLM is absent")
+def test_benchmark_without_vllm_says_how_to_install_and_exits_cleanly():
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "vs_vllm.py")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert INSTALL_HINT in proc.stdout and '"vllm": "not installed"' in proc.stdout
