@@ -135,19 +135,29 @@ class VllmEngine:
                        gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
                        speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
         self.startup_s = time.perf_counter() - t0
+        self._seen = Counters()
+        self._watch_spec_stats()
+
+    def _watch_spec_stats(self) -> None:
+        """Sum this engine's own speculative-decoding stats. vLLM's Prometheus registry is process-global and
+        a new LLM unregisters the previous one's metrics, so with several engines in one process (the
+        interleaved benchmark) only each engine's stat recorder tells its own counts."""
+        manager = self.llm.llm_engine.logger_manager
+        assert manager is not None, "vLLM stat logging is off (disable_log_stats=False is required)"
+        record = manager.record
+
+        def counting(*args, scheduler_stats=None, **kwargs):
+            s = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if s is not None:
+                self._seen = self._seen.plus(Counters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                                      list(s.num_accepted_tokens_per_pos)))
+            return record(*args, scheduler_stats=scheduler_stats, **kwargs)
+
+        manager.record = counting
 
     def counters(self) -> Counters:
-        out = Counters()
-        for m in self.llm.get_metrics():
-            if m.name == "vllm:spec_decode_num_drafts":
-                out.drafts = int(m.value)
-            elif m.name == "vllm:spec_decode_num_draft_tokens":
-                out.draft_tokens = int(m.value)
-            elif m.name == "vllm:spec_decode_num_accepted_tokens":
-                out.accepted = int(m.value)
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                out.accepted_per_pos = [int(v) for v in m.values]
-        return out
+        """This engine's speculative-decoding counts so far."""
+        return self._seen
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new: int, temperature: float = 0.0,
                  seed: int = 0) -> Generation:
