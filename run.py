@@ -36,6 +36,7 @@ from specsim.config import (
     RunConfig,
     Task,
     TreeConfig,
+    Verifier,
     WorkloadConfig,
     flat,
     validate,
@@ -43,6 +44,7 @@ from specsim.config import (
 from specsim.io import atomic_write_json, atomic_write_jsonl
 
 METRICS, SAMPLES, FAILED = "metrics.json", "samples.jsonl", "failed.json"  # as analysis.sweep reads them
+CONF = Path(__file__).resolve().parent / "conf"
 # config group -> schema that its presets extend (`defaults: [base_<group>, _self_]`)
 GROUP_SCHEMAS = {
     "method": MethodConfig,
@@ -51,6 +53,8 @@ GROUP_SCHEMAS = {
     "model": ModelConfig,
     "workload": WorkloadConfig,
 }
+PRESET_GROUPS = (*GROUP_SCHEMAS, "experiment")  # command-line choices: conf/<group>/<name>.yaml
+Q_FREE_VERIFIERS = (Verifier.greedy, Verifier.deterministic, Verifier.typical)  # never read the draft's q
 
 
 class TaskUnavailable(RuntimeError):
@@ -108,8 +112,132 @@ def compose_run_config(*overrides: str) -> RunConfig:
     from hydra import compose, initialize_config_dir
 
     register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return to_run_config(compose("config", overrides=list(overrides)))
+
+
+# ---- checks before any work ----------------------------------------------------------------------------
+def presets(group: str) -> list[str]:
+    """The presets of a config group: conf/<group>/*.yaml (the ConfigStore's base_<group> schemas are not)."""
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def check_choices(args: list[str]) -> None:
+    """`group=name` on the command line must name a preset of conf/<group>/. Checked before Hydra composes:
+    its own message would also offer the schemas (base_method) as choices, and print the search path."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra reports it in its own words
+        return
+    for o in overrides:
+        group, value = o.key_or_group, o.value()
+        if group not in PRESET_GROUPS or o.package is not None or o.is_delete():
+            continue
+        values = value.list if isinstance(value, ChoiceSweep) else [value]
+        allowed = presets(group)
+        for v in values:
+            if isinstance(v, str) and "${" not in v and v not in allowed:  # an interpolation: Hydra's
+                raise ConfigError(f"{group}={v}: no such preset (conf/{group}/{v}.yaml); "
+                                  f"choose one of: {', '.join(allowed)}")
+
+
+def method_drafters() -> dict[str, str]:
+    """method preset → its method.drafter, read from conf/method/*.yaml (following `defaults` to the
+    preset it extends), without composing."""
+    import yaml
+
+    def drafter(name: str) -> str:
+        data = yaml.safe_load((CONF / "method" / f"{name}.yaml").read_text()) or {}
+        if "drafter" in data:
+            return str(data["drafter"])
+        parents = [d for d in data.get("defaults", []) if isinstance(d, str) and d in allowed]
+        return drafter(parents[0]) if parents else MethodConfig.drafter
+
+    allowed = presets("method")
+    return {name: drafter(name) for name in allowed}
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """What a decoding task (measure, calibrate) needs from this checkout and this machine, checked before
+    any work (models, zoo, heads): a drafter for the method and a verifier that fits it, the model's files,
+    a draft model where the drafter decodes with one, the device. task=simulate needs none of them."""
+    if cfg.task == Task.simulate:
+        return
+    from methods.drafters import registry  # cheap: the registry imports classes only when asked
+
+    m, task = cfg.method, cfg.task.value
+    if m.drafter not in registry.names():
+        ready = [name for name, d in method_drafters().items() if d in registry.names()]
+        raise ConfigError(
+            f"method.drafter: method={m.name} drafts with {m.drafter!r}, which has no real-decoding drafter "
+            f"in this checkout, so task={task} cannot run it; methods with a drafter: {', '.join(ready)} "
+            f"(task=simulate works with every method)")
+    if m.drafter in registry.DETERMINISTIC and m.verifier not in Q_FREE_VERIFIERS:
+        raise ConfigError(
+            f"method.verifier: {m.verifier.value} reads the draft probabilities q, but drafter {m.drafter} "
+            f"(method={m.name}) drafts deterministically (q one-hot); use method.verifier=deterministic "
+            "(lossless at any temperature) or greedy (temperature 0)")
+    _check_model_files(cfg)
+    if m.drafter in registry.NEEDS_DRAFT_MODEL:
+        _check_draft_model(cfg)
+    _check_device(cfg.device)
+
+
+def _check_model_files(cfg: RunConfig) -> None:
+    model = cfg.model
+    if model.source not in ("hub", "local"):
+        return
+    for key, path in (("model.path", model.path), ("model.draft_path", model.draft_path)):
+        problem = _checkpoint_problem(key, path, hub=model.source == "hub") if path else None
+        if problem:
+            raise ConfigError(f"{key}: {problem} (model={model.name}; specsim never downloads weights)")
+
+
+def _checkpoint_problem(key: str, path: str, hub: bool) -> str | None:
+    """Why ``path`` cannot be loaded without a download, and what to do; None when it can."""
+    import re
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return None if (p / "config.json").is_file() else f"{path!r} is a directory without config.json"
+    if p.exists():
+        return f"{path!r} is a file, not a checkpoint directory"
+    elsewhere = " or a hub name (org/name) already in the local Hugging Face cache" if hub else ""
+    if not hub or path.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path):
+        return f"no such directory {path!r}; set {key} to a local save_pretrained directory{elsewhere}"
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return None
+    return (f"{path!r} is not a local directory and not in the local Hugging Face cache; fetch it first "
+            f"(`huggingface-cli download {path}`) or set {key} to a local save_pretrained directory")
+
+
+def _check_draft_model(cfg: RunConfig) -> None:
+    m, model = cfg.method, cfg.model
+    if model.source in ("hub", "local"):
+        ok, key = bool(model.draft_path), "model.draft_path"
+        fix = "set model.draft_path to a draft checkpoint that shares the target's tokenizer"
+    else:
+        ok, key, fix = model.draft_n_layers >= 1, "model.draft_n_layers", "set model.draft_n_layers >= 1"
+    if not ok:
+        raise ConfigError(f"{key}: method={m.name} drafts with a separate draft model (drafter {m.drafter}) "
+                          f"and model={model.name} has none; {fix}")
+
+
+def _check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device[5:]) if device.startswith("cuda:") else 0
+    if index >= count:
+        raise ConfigError(f"device: {device} requested but torch sees {count} CUDA device(s); use "
+                          "device=auto (cuda when there is one, else cpu) or device=cpu")
 
 
 def seed_everything(seed: int, with_torch: bool, threads: int = 0) -> None:
@@ -221,7 +349,7 @@ def _remove_run_dir(out_dir: Path, cwd: Path) -> None:
         parent = parent.parent
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")  # absolute: import-safe
 def main(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     out_dir, sweeping = Path(hc.runtime.output_dir), hc.mode == RunMode.MULTIRUN
@@ -234,6 +362,7 @@ def main(dcfg: DictConfig) -> None:
             return
     try:
         cfg = to_run_config(dcfg)
+        check_runnable(cfg)
         seed_everything(cfg.seed, with_torch=cfg.task != Task.simulate, threads=cfg.threads)
         result = execute(cfg, out_dir)
         write_outputs(out_dir, run_metrics(cfg, result.metrics, experiment), result.samples)
@@ -264,14 +393,27 @@ def _fail(e: BaseException, out_dir: Path, cwd: Path, sweeping: bool, expected: 
         return
     _remove_run_dir(out_dir, cwd)
     if expected:
-        kind = "invalid config" if isinstance(e, ConfigError) else "task not available"
-        print(f"Error ({kind}): {e}. Nothing was written.", file=sys.stderr)
-        sys.exit(2)
+        _exit_clean(e)
     traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
     print(f"Error: the run failed ({type(e).__name__}); nothing was written.", file=sys.stderr)
     sys.exit(1)
 
 
-if __name__ == "__main__":
+def _exit_clean(e: ConfigError | TaskUnavailable) -> None:
+    kind = "invalid config" if isinstance(e, ConfigError) else "task not available"
+    print(f"Error ({kind}): {e}. Nothing was written.", file=sys.stderr)
+    sys.exit(2)
+
+
+def cli() -> None:
+    """`python run.py ARGS`: the command-line choices, then Hydra's composition and main."""
     register_configs()
+    try:
+        check_choices(sys.argv[1:])
+    except ConfigError as e:
+        _exit_clean(e)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -8,6 +8,7 @@ domain types (Tree, drafts, results) are the frozen ones.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -187,15 +188,87 @@ class RunConfig:
 
 
 # ---- validation ------------------------------------------------------------------------------------
-_POSITIVE = {
-    "hardware": ("memory_bandwidth_gbs", "peak_tflops", "memory_gb"),
-    "model": ("params", "bytes_per_param", "n_layers", "hidden_size", "vocab_size", "context_length"),
-    "workload": ("num_prompts", "prompt_tokens", "max_new_tokens"),
-    "calibration": ("width", "prompts", "new_tokens", "depth_prompts", "reps"),
-}
-_UNIT_INTERVAL = {
-    "hardware": ("bandwidth_efficiency", "flops_efficiency"),
-    "workload": ("top_p",),
+MAX_TREE_NODES = 1024  # nodes of one verified tree, root included (Sequoia's largest offloading budgets: 512)
+MAX_TREE_LEVELS = 64  # levels of a tree, root included; keeps Sequoia's DP table (budgets x levels) small
+DERIVED_WIDTH = 32  # children per node that an α acceptance model is expanded to (specsim.trees)
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed numbers; NaN and ±inf are never allowed."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+        return f"in {left}{_num(self.lo)}, {_num(self.hi)}{right}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
+UNIT = Range(0, 1, lo_open=True)  # (0, 1]
+# Every numeric field of every group, by dotted key (the tree's depth fields are checked in _validate_tree).
+# A new numeric field needs a line here: tests/test_config.py sets each one out of range and expects the key.
+RANGES: dict[str, Range] = {
+    "seed": Range(0, 2**32 - 1),  # numpy's legacy seeding takes 32 bits
+    "threads": NON_NEGATIVE,  # 0 = torch's default
+    "warmup": NON_NEGATIVE,
+    "method.draft_cost_ratio": NON_NEGATIVE,
+    "method.draft_fixed_ratio": NON_NEGATIVE,
+    "method.acceptance.alpha": Range(0, 1, hi_open=True),  # α = 1 makes k̄ infinite
+    "method.acceptance.decay": UNIT,
+    "tree.gamma": Range(1, MAX_TREE_NODES - 1),
+    "tree.k": Range(1, MAX_TREE_NODES - 1),
+    "tree.total_tokens": Range(1, MAX_TREE_NODES - 1),
+    "tree.top_k": Range(1, MAX_TREE_NODES - 1),
+    "hardware.memory_bandwidth_gbs": POSITIVE,
+    "hardware.peak_tflops": POSITIVE,
+    "hardware.memory_gb": POSITIVE,
+    "hardware.bandwidth_efficiency": UNIT,
+    "hardware.flops_efficiency": UNIT,
+    "hardware.overhead_ms": NON_NEGATIVE,
+    "hardware.pcie_gbs": NON_NEGATIVE,  # > 0 when hardware.offload (checked below)
+    "model.params": POSITIVE,
+    "model.draft_params": NON_NEGATIVE,  # 0: no draft model
+    "model.bytes_per_param": Range(0, 8, lo_open=True),  # float64 at most
+    "model.n_layers": AT_LEAST_1,
+    "model.hidden_size": AT_LEAST_1,
+    "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1,
+    "model.intermediate_size": AT_LEAST_1,
+    "model.vocab_size": Range(2),
+    "model.context_length": Range(2),
+    "model.draft_n_layers": NON_NEGATIVE,  # 0: no draft model
+    "model.draft_hidden_size": AT_LEAST_1,
+    "workload.num_prompts": AT_LEAST_1,
+    "workload.prompt_tokens": AT_LEAST_1,
+    "workload.max_new_tokens": AT_LEAST_1,
+    "workload.temperature": NON_NEGATIVE,
+    "workload.top_p": UNIT,
+    "workload.top_k": NON_NEGATIVE,  # 0 = off
+    "workload.context_tokens": NON_NEGATIVE,
+    "calibration.width": Range(1, MAX_TREE_NODES - 1),
+    "calibration.prompts": AT_LEAST_1,
+    "calibration.new_tokens": AT_LEAST_1,
+    "calibration.depth_prompts": AT_LEAST_1,
+    "calibration.reps": AT_LEAST_1,
+    "calibration.warmup": NON_NEGATIVE,
+    "calibration.context_tokens": NON_NEGATIVE,  # 0 = workload.context_tokens
 }
 
 
@@ -208,39 +281,133 @@ def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, key, f"got {value!r}; allowed: {', '.join(allowed)}")
 
 
+def _get(cfg: RunConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Range and consistency checks that a type system cannot express. Returns cfg for chaining."""
-    for group, keys in _POSITIVE.items():
-        for k in keys:
-            v = getattr(getattr(cfg, group), k)
-            _check(v > 0, f"{group}.{k}", f"must be > 0, got {v}")
-    for group, keys in _UNIT_INTERVAL.items():
-        for k in keys:
-            v = getattr(getattr(cfg, group), k)
-            _check(0 < v <= 1, f"{group}.{k}", f"must be in (0, 1], got {v}")
+    for key, allowed in RANGES.items():
+        v = _get(cfg, key)
+        _check(v in allowed, key, f"must be {allowed}, got {v}")
     _validate_method(cfg.method)
     _validate_tree(cfg.tree)
+    _validate_tree_size(cfg.tree)
+    _validate_hardware(cfg.hardware)
+    _validate_model(cfg.model, cfg.method)
     w, m = cfg.workload, cfg.model
-    _check(w.temperature >= 0, "workload.temperature", f"must be >= 0, got {w.temperature}")
-    _check(w.top_k >= 0, "workload.top_k", f"must be >= 0 (0 = off), got {w.top_k}")
     _choice(w.split, "workload.split", ("train", "calibration", "test"))
     _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed"))
-    _choice(m.source, "model.source", ("zoo", "random", "hub", "local"))
-    _choice(cfg.model.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
-    _check(cfg.threads >= 0, "threads", f"must be >= 0 (0 = torch's default), got {cfg.threads}")
-    _choice(cfg.device, "device", ("auto", "cpu", "cuda")) if not cfg.device.startswith("cuda:") else None
-    _check(m.source not in ("hub", "local") or bool(m.path), "model.path", "required for hub/local models")
-    if cfg.method.verifier == Verifier.greedy and w.temperature > 0 and cfg.task != Task.simulate:
+    _check(w.context_tokens <= m.context_length, "workload.context_tokens",
+           f"must be <= model.context_length={m.context_length} (the KV length verification sees), "
+           f"got {w.context_tokens}")
+    devices = ("auto", "cpu", "cuda", "cuda:<index>")
+    indexed = cfg.device.startswith("cuda:") and cfg.device[5:].isdigit()
+    _check(cfg.device in devices[:3] or indexed, "device",
+           f"got {cfg.device!r}; allowed: {', '.join(devices)}")
+    if cfg.tree.kind == TreeKind.sequoia:
+        _validate_sequoia(cfg)
+    if cfg.task != Task.simulate:
+        _validate_decoding(cfg)
+    return cfg
+
+
+def _validate_decoding(cfg: RunConfig) -> None:
+    """What real decoding (task=measure / calibrate) needs beyond what the simulator does."""
+    w, m, t = cfg.workload, cfg.model, cfg.tree
+    _check(w.prompt_tokens + w.max_new_tokens <= m.context_length, "workload.max_new_tokens",
+           f"workload.prompt_tokens + workload.max_new_tokens = {w.prompt_tokens + w.max_new_tokens} must be "
+           f"<= model.context_length={m.context_length}")
+    if cfg.method.verifier == Verifier.greedy and w.temperature > 0:
         raise ConfigError(
             "method.verifier: greedy verification with workload.temperature > 0 is not lossless; "
             "use a sampling verifier (chain, specinfer, sequoia, deterministic) or temperature=0"
         )
-    return cfg
+    branches = {TreeKind.kary: t.k > 1, TreeKind.medusa: any(any(c > 0 for c in p) for p in t.paths),
+                TreeKind.dynamic: t.top_k > 1}.get(t.kind, False)  # sequoia: measure picks its verifier
+    if cfg.method.verifier == Verifier.chain and branches:
+        raise ConfigError(f"method.verifier: chain (Leviathan Alg. 1) verifies chains only, and "
+                          f"tree={t.name} (kind {t.kind.value}) branches; use specinfer, sequoia or "
+                          "deterministic, or tree=chain")
+
+
+def _validate_hardware(h: HardwareConfig) -> None:
+    if h.offload:
+        _check(h.pcie_gbs > 0, "hardware.pcie_gbs", "must be > 0 when hardware.offload=true (the weights "
+               f"stream over PCIe every forward), got {h.pcie_gbs}")
+
+
+def _validate_model(m: ModelConfig, method: MethodConfig) -> None:
+    _choice(m.source, "model.source", ("zoo", "random", "hub", "local"))
+    _choice(m.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+    _check(m.source not in ("hub", "local") or bool(m.path), "model.path", "required for hub/local models")
+    _check(m.hidden_size % m.n_heads == 0, "model.n_heads",
+           f"must divide model.hidden_size={m.hidden_size} (head dim), got {m.n_heads}")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+           f"must divide model.n_heads={m.n_heads} (grouped-query attention), got {m.n_kv_heads}")
+    if method.draft_cost == "roofline":
+        _check(m.draft_params > 0 and m.draft_n_layers >= 1, "model.draft_params",
+               "method.draft_cost=roofline prices the draft model's own roofline: needs model.draft_params "
+               f"> 0 and model.draft_n_layers >= 1, got {m.draft_params} and {m.draft_n_layers}")
+
+
+def _tree_nodes(t: TreeConfig) -> int | None:
+    """Nodes (root included) of a static tree preset; None where the simulator chooses the size."""
+    if t.kind == TreeKind.chain:
+        return t.gamma + 1
+    if t.kind == TreeKind.kary:
+        return sum(t.k ** d for d in range(t.depth + 1)) if t.depth <= MAX_TREE_LEVELS else None
+    if t.kind == TreeKind.medusa:
+        return len({tuple(p) for p in t.paths}) + 1
+    if t.kind == TreeKind.none:
+        return 1
+    return None
+
+
+def _validate_tree_size(t: TreeConfig) -> None:
+    """Sizes a run can afford: larger trees would stall the run (Sequoia's DP, a k-ary tree's k^depth)."""
+    _check(t.depth <= MAX_TREE_LEVELS, "tree.depth", f"must be in [1, {MAX_TREE_LEVELS}], got {t.depth}")
+    _check(t.max_depth <= MAX_TREE_LEVELS, "tree.max_depth",
+           f"must be in [2, {MAX_TREE_LEVELS}] (levels incl. the root), got {t.max_depth}")
+    bad = [b for b in t.budgets if b > MAX_TREE_NODES]
+    _check(not bad, "tree.budgets", f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), "
+           f"got {bad}")
+    n = _tree_nodes(t)
+    _check(n is None or n <= MAX_TREE_NODES, "tree", f"tree={t.name} (kind {t.kind.value}) has {n} nodes; "
+           f"at most {MAX_TREE_NODES} are verified in one forward")
+    if t.kind == TreeKind.medusa:
+        _check(len(t.paths) == len({tuple(p) for p in t.paths}), "tree.paths", "contains a path twice")
+
+
+def _sequoia_width(cfg: RunConfig) -> int:
+    """Children a node of Sequoia's tree can have: the acceptance vector's ranks (measured: the calibration's
+    star width, cut to the drafter's top_k)."""
+    a = cfg.method.acceptance
+    if cfg.task != Task.simulate or a.calibrated:
+        top_k = cfg.method.params.get("top_k", 0)
+        top_k = top_k if isinstance(top_k, int) and not isinstance(top_k, bool) else 0
+        return min(cfg.calibration.width, top_k) if top_k > 0 else cfg.calibration.width
+    if a.kind == AcceptanceKind.vector:
+        return len(a.vector) - 2
+    if a.kind == AcceptanceKind.depth_vector:
+        return min(len(v) for v in a.by_depth_vectors) - 2
+    return DERIVED_WIDTH
+
+
+def _validate_sequoia(cfg: RunConfig) -> None:
+    """Sequoia's selection needs at least one budget that a tree of max_depth levels and the vector's width
+    can hold: 1 + W + … + W^(L−1) nodes."""
+    t, width = cfg.tree, _sequoia_width(cfg)
+    capacity = sum(width ** d for d in range(t.max_depth))
+    _check(min(t.budgets) <= capacity, "tree.budgets",
+           f"no budget of {list(t.budgets)} fits a tree of tree.max_depth={t.max_depth} levels and width "
+           f"{width} (at most {capacity} nodes): lower a budget or raise tree.max_depth")
 
 
 def _validate_method(m: MethodConfig) -> None:
-    _check(m.draft_cost_ratio >= 0, "method.draft_cost_ratio", f"must be >= 0, got {m.draft_cost_ratio}")
-    _check(m.draft_fixed_ratio >= 0, "method.draft_fixed_ratio", f"must be >= 0, got {m.draft_fixed_ratio}")
     _choice(m.draft_steps, "method.draft_steps", ("depth", "one"))
     _choice(m.draft_cost, "method.draft_cost", ("ratio", "roofline"))
     _check(
@@ -250,8 +417,6 @@ def _validate_method(m: MethodConfig) -> None:
         f"set method.lossless={m.verifier not in LOSSY_VERIFIERS}",
     )
     a = m.acceptance
-    _check(0 <= a.alpha < 1, "method.acceptance.alpha", f"must be in [0, 1), got {a.alpha}")
-    _check(0 < a.decay <= 1, "method.acceptance.decay", f"must be in (0, 1], got {a.decay}")
     _check(all(0 <= x <= 1 for x in a.by_depth), "method.acceptance.by_depth", "entries must be in [0, 1]")
     if a.kind == AcceptanceKind.table:
         _check(bool(a.by_depth), "method.acceptance.by_depth", "required when kind=table")

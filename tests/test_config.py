@@ -3,7 +3,10 @@ RunConfig and passes validate; typos, wrong types and out-of-range values fail w
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import OmegaConf
 
-from specsim.config import ConfigError, RunConfig, Task, TreeKind, Verifier, validate
+from specsim.config import RANGES, ConfigError, Range, RunConfig, Task, TreeKind, Verifier, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -182,6 +185,64 @@ OUT_OF_RANGE = [
 def test_out_of_range_names_the_key(run_config, override, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
         run_config(override)
+
+
+def _numeric_keys(obj, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            keys += _numeric_keys(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _set(cfg, key: str, value) -> None:
+    path, _, last = key.rpartition(".")
+    setattr(_get(cfg, path) if path else cfg, last, value)
+
+
+def test_every_numeric_field_is_range_checked(run_config):
+    """Issue 12: every numeric field of every group rejects an out-of-range value, and NaN / inf for floats,
+    with a message naming the key, the allowed range (specsim.config.RANGES) and the value. A new field
+    fails here until it gets its range."""
+    base = run_config("task=simulate")
+    keys = _numeric_keys(base)
+    assert len(keys) >= 40 and {"hardware.pcie_gbs", "workload.context_tokens", "seed"} <= set(keys)
+    for key in keys:
+        floating = isinstance(_get(base, key), float)
+        for bad in (-10**12, *((math.nan, math.inf) if floating else ())):
+            cfg = copy.deepcopy(base)
+            _set(cfg, key, bad)
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*must be") as err:
+                validate(cfg)
+            assert str(bad) in str(err.value), err.value
+            if key in RANGES:
+                assert str(RANGES[key]) in str(err.value)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("hardware.offload=true", "hardware.pcie_gbs"),  # cpu preset: pcie_gbs 0
+    ("workload.context_tokens=5000", "workload.context_tokens"),
+    ("tree.budgets=[64]", "tree.budgets"), ("model.n_kv_heads=4", "model.n_kv_heads"),
+])
+def test_cross_field_checks_name_the_key(run_config, override, key):
+    extra = ("tree=sequoia", "tree.max_depth=2") if key == "tree.budgets" else ()
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        run_config("task=simulate", override, *extra)
+
+
+def test_range_text():
+    assert str(Range(0, 1, hi_open=True)) == "in [0, 1)" and str(Range(0, lo_open=True)) == "> 0"
+    assert 1 in Range(1) and 0.5 not in Range(1) and math.nan not in Range() and math.inf not in Range()
+    assert True not in Range()  # a bool is not a number here
 
 
 # ---- outputs, launchers ------------------------------------------------------------------------------

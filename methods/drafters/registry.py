@@ -16,6 +16,12 @@ DRAFTERS = MappingProxyType({
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
 })
+# Cheap declarations that run.py checks before any work (no drafter class is imported for them):
+# drafters whose draft is a function of the context whatever the verifier (q one-hot, Draft.q = None); the
+# verifiers that read q (chain, specinfer, sequoia) cannot verify them: greedy, deterministic or typical can.
+DETERMINISTIC = frozenset({"prompt_lookup"})
+# drafters that decode with the separate draft model q (model.draft_*, or model.draft_path for hub/local).
+NEEDS_DRAFT_MODEL = frozenset({"draft_model"})
 
 
 def names() -> tuple[str, ...]:
