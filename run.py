@@ -30,12 +30,14 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from specsim.config import (
     ConfigError,
+    EngineConfig,
     HardwareConfig,
     MethodConfig,
     ModelConfig,
     RunConfig,
     Task,
     TreeConfig,
+    TreeKind,
     Verifier,
     WorkloadConfig,
     flat,
@@ -52,6 +54,7 @@ GROUP_SCHEMAS = {
     "hardware": HardwareConfig,
     "model": ModelConfig,
     "workload": WorkloadConfig,
+    "engine": EngineConfig,
 }
 PRESET_GROUPS = (*GROUP_SCHEMAS, "experiment")  # command-line choices: conf/<group>/<name>.yaml
 Q_FREE_VERIFIERS = (Verifier.greedy, Verifier.deterministic, Verifier.typical)  # never read the draft's q
@@ -166,6 +169,7 @@ def check_runnable(cfg: RunConfig) -> None:
     a draft model where the drafter decodes with one, the device. task=simulate needs none of them."""
     if cfg.task == Task.simulate:
         return
+    _check_engine(cfg)
     from methods.drafters import registry  # cheap: the registry imports classes only when asked
 
     m, task = cfg.method, cfg.task.value
@@ -184,6 +188,27 @@ def check_runnable(cfg: RunConfig) -> None:
     if m.drafter in registry.NEEDS_DRAFT_MODEL:
         _check_draft_model(cfg)
     _check_device(cfg.device)
+
+
+def _check_engine(cfg: RunConfig) -> None:
+    """engine=vllm measures the methods vLLM implements; specsim's own loop decodes one sequence at a time."""
+    if cfg.engine.name == "vllm":
+        from methods.measurement.vllm_engine import VLLM_METHODS  # no vLLM import: a plain table
+
+        if cfg.task != Task.measure:
+            raise ConfigError(f"engine.name: engine=vllm runs task=measure only, not task={cfg.task.value}")
+        if cfg.method.drafter not in VLLM_METHODS:
+            runs = [n for n, d in method_drafters().items() if d in VLLM_METHODS]
+            raise ConfigError(
+                f"engine.name: vLLM does not implement method={cfg.method.name} (drafter "
+                f"{cfg.method.drafter}); engine=vllm runs: {', '.join(runs)}")
+        if cfg.method.drafter != "autoregressive" and TreeKind(cfg.tree.kind) != TreeKind.chain:
+            raise ConfigError(f"tree.kind: vLLM speculates with chains; engine=vllm needs tree=chain (the "
+                              f"chain's tree.gamma is its num_speculative_tokens), got tree={cfg.tree.name}")
+    elif cfg.workload.batch_size > 1:
+        raise ConfigError(
+            f"workload.batch_size: specsim's decode loop decodes one sequence at a time (got "
+            f"{cfg.workload.batch_size}); engine=vllm decodes batches")
 
 
 def _check_model_files(cfg: RunConfig) -> None:
@@ -260,7 +285,10 @@ def execute(cfg: RunConfig, out_dir: Path) -> TaskResult:
         prediction = simulate(cfg).to_dict()
         return TaskResult(prediction, None, _prediction_lines(prediction))
     if cfg.task == Task.measure:
-        measure = _import_task("methods.measurement.measure", "measure", cfg.task)
+        if cfg.engine.name == "vllm":
+            measure = _import_task("methods.measurement.vllm_measure", "measure_vllm", cfg.task)
+        else:
+            measure = _import_task("methods.measurement.measure", "measure", cfg.task)
         result = measure(cfg)
         lines = _measure_lines(result.metrics, cfg.hardware.name)
         return TaskResult(dict(result.metrics), list(result.samples), lines)

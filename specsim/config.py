@@ -152,6 +152,18 @@ class WorkloadConfig:
     top_p: float = 1.0
     top_k: int = 0
     context_tokens: int = 512  # simulator: KV length seen by verification
+    batch_size: int = 1  # sequences decoded at once (engine=vllm; specsim's own loop decodes one at a time)
+
+
+@dataclass
+class EngineConfig:
+    """What decodes a task=measure run: specsim's own loop, or vLLM (an optional peer engine; methods.
+    measurement.vllm_engine lists the methods it runs)."""
+
+    name: str = "specsim"  # specsim | vllm
+    kv_cache_gib: int = 1  # vLLM on CPU: KV cache space reserved (VLLM_CPU_KVCACHE_SPACE)
+    memory_fraction: float = 0.15  # vLLM's gpu_memory_utilization (on CPU: the share of RAM it may reserve)
+    enforce_eager: bool = False  # vLLM: skip torch.compile at start-up (faster start, slower steps)
 
 
 @dataclass
@@ -185,6 +197,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 # ---- validation ------------------------------------------------------------------------------------
@@ -262,6 +275,9 @@ RANGES: dict[str, Range] = {
     "workload.top_p": UNIT,
     "workload.top_k": NON_NEGATIVE,  # 0 = off
     "workload.context_tokens": NON_NEGATIVE,
+    "workload.batch_size": Range(1, 1024),
+    "engine.kv_cache_gib": AT_LEAST_1,
+    "engine.memory_fraction": UNIT,
     "calibration.width": Range(1, MAX_TREE_NODES - 1),
     "calibration.prompts": AT_LEAST_1,
     "calibration.new_tokens": AT_LEAST_1,
@@ -301,6 +317,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     w, m = cfg.workload, cfg.model
     _choice(w.split, "workload.split", ("train", "calibration", "test"))
     _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed"))
+    _choice(cfg.engine.name, "engine.name", ("specsim", "vllm"))
     _check(w.context_tokens <= m.context_length, "workload.context_tokens",
            f"must be <= model.context_length={m.context_length} (the KV length verification sees), "
            f"got {w.context_tokens}")

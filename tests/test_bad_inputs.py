@@ -176,8 +176,19 @@ TOP_LEVEL = [
     Bad(("calibration.warmup=-1",), ("calibration.warmup", ">= 0", "-1"), slow=SLOW),
 ]
 
+ENGINE = [
+    Bad(("engine=nope",), ("engine=nope", "specsim", "vllm")),
+    Bad(("engine=vllm", "method=medusa"), ("engine.name", "method=medusa", "vanilla", "prompt_lookup")),
+    Bad(("engine=vllm", "task=calibrate"), ("engine.name", "task=measure", "task=calibrate")),
+    Bad(("engine=vllm", "method=vanilla", "tree=sequoia"), ("tree.kind", "chain", "tree=sequoia")),
+    Bad(("workload.batch_size=4",), ("workload.batch_size", "one sequence", "engine=vllm")),
+    Bad(("engine=vllm", "workload.batch_size=0"), ("workload.batch_size", "got 0"), slow=SLOW),
+    Bad(("engine=vllm", "engine.memory_fraction=0"), ("engine.memory_fraction", "(0, 1]"), slow=SLOW),
+    Bad(("engine=vllm", "engine.kv_cache_gib=0"), ("engine.kv_cache_gib", ">= 1"), slow=SLOW),
+]
+
 GROUPS = {"method": METHOD, "tree": TREE, "hardware": HARDWARE, "workload": WORKLOAD, "model": MODEL,
-          "experiment": EXPERIMENT, "top-level": TOP_LEVEL}
+          "experiment": EXPERIMENT, "engine": ENGINE, "top-level": TOP_LEVEL}
 ROWS = [row for rows in GROUPS.values() for row in rows]
 
 

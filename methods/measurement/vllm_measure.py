@@ -75,7 +75,9 @@ def measure_vllm(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     prompts = load_prompts(w, tokenizer, cfg.seed)
     tree = run_tree(cfg)
     plan = plan_for(cfg.method.drafter, tree.depth, ck.draft_dir, dict(cfg.method.params))
-    settings = VllmSettings(dtype=cfg.model.dtype, seed=cfg.seed)
+    e = cfg.engine
+    settings = VllmSettings(dtype=cfg.model.dtype, kv_cache_gib=e.kv_cache_gib,
+                            memory_fraction=e.memory_fraction, enforce_eager=e.enforce_eager, seed=cfg.seed)
     bar = tqdm(total=3, desc="vllm engines", disable=not show_progress)
     plain = VllmEngine(ck.target_dir, plan_for("autoregressive", 0, None), settings)
     bar.update()
