@@ -353,11 +353,12 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
 def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     here = m.get("predicted_speedup_this_device", m.get("predicted_speedup"))  # what this run validates
     speedup, predicted = _fmt(m.get("speedup"), ".2f"), _fmt(here, ".2f")
+    decode = f", {_fmt(m['decode_speedup'], '.2f')}x without prefill" if "decode_speedup" in m else ""
+    engine = f" ({m['engine']}, batch {m.get('batch_size', 1)})" if "engine" in m else ""
     lines = [
         f"tau {_fmt(m.get('tau'), '.3f')} (predicted {_fmt(m.get('predicted_tau'), '.3f')})",
         f"{_fmt(m.get('tokens_per_s'), '.1f')} tokens/s vs {_fmt(m.get('baseline_tokens_per_s'), '.1f')} "
-        f"autoregressive: speedup {speedup}x, {_fmt(m.get('decode_speedup'), '.2f')}x without prefill "
-        f"(predicted {predicted}x on this device)",
+        f"autoregressive{engine}: speedup {speedup}x{decode} (predicted {predicted}x on this device)",
     ]
     if "predicted_speedup_hardware" in m:  # a drafter's measured profile: the run's hardware preset too
         lines.append(f"predicted on the {hardware} preset's roofline: "
