@@ -4,8 +4,10 @@ p = target, q = draft. Along the target's own generation on the calibration spli
 workload's temperature) every position gets a one-level star tree of W children — q's top-W at temperature 0,
 W draws without replacement from q otherwise — verified by the matching verifier against p; the histogram of
 the accepted rank is the positional vector [0, p_1, …, p_W, p_none]. Also α_d of the drafter's chain/tree in
-the real loop, the target's t(n) (tree forwards of methods.core.engine), the draft step time and t_AR: a
-methods.measurement.profiles Profile, cached for tree=sequoia and the simulator's hardware=cpu validation.
+the real loop, and the cost table — t_AR (the loop's autoregressive step, t(1)) and, as ratios of it, the
+target's t(n) (tree forwards of methods.core.engine), the draft step time and the loop's verification —
+timed in interleaved rounds (methods.measurement.cost_table): a methods.measurement.profiles Profile, cached
+for tree=sequoia and the simulator's hardware=cpu validation unless its timings scattered.
 """
 
 from __future__ import annotations
