@@ -235,11 +235,9 @@ def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor 
 
 def _trajectories(run: _Run) -> list[torch.Tensor]:
     """The target's own continuations (prompt + generated) of the calibration prompts."""
-    cal, s = run.cfg.calibration, run.sampling
-    opts = DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, cal.new_tokens, run.eos)
     seqs = []
     for ids in run.prompts:
-        r = decode(run.target, Autoregressive(), ids, opts, run.generator)
+        r = decode(run.target, Autoregressive(), ids, _ar_opts(run), run.generator)
         seqs.append(torch.cat([ids, torch.tensor(r.token_ids, dtype=torch.long)]))
         run.bar.update()
     return seqs
@@ -294,8 +292,9 @@ FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one 
 def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dict]:
     """Interleaved timing (methods.core.timing.interleaved): per round one autoregressive decode (the loop's
     step, t(1)), one decode with the drafter (seconds per draft step: one draft forward per level, or one
-    pass for a single-pass drafter; the loop's verification per speculation step) and one tree forward of
-    each size after ``context`` (t(n)). Round r decodes calibration prompt r (cycling)."""
+    pass for a single-pass drafter; the loop's verification per speculation step) and, for each size, the
+    median of FORWARD_REPEAT tree forwards after ``context`` (t(n)). Round r decodes calibration prompt r
+    (cycling)."""
     cal, m = run.cfg.calibration, run.cfg.method
     levels = max(run.tree.depth if m.draft_steps == "depth" else 1, 1)
     trees, tokens = star_inputs(run.target, sizes, run.cfg.seed)
