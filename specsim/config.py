@@ -177,7 +177,7 @@ class CalibrationConfig:
     prompts: int = 24
     new_tokens: int = 32  # tokens generated per prompt; a star tree is verified at each of them
     depth_prompts: int = 4  # prompts decoded with the drafter's chain/tree for acceptance_by_depth
-    reps: int = 7  # timed forwards per t(n) size (the median is kept), after `warmup` untimed ones
+    reps: int = 7  # interleaved timing rounds of the cost table (medians kept), after `warmup` untimed ones
     warmup: int = 2
     context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
 

@@ -4,14 +4,15 @@ p = target, q = draft. Along the target's own generation on the calibration spli
 workload's temperature) every position gets a one-level star tree of W children — q's top-W at temperature 0,
 W draws without replacement from q otherwise — verified by the matching verifier against p; the histogram of
 the accepted rank is the positional vector [0, p_1, …, p_W, p_none]. Also α_d of the drafter's chain/tree in
-the real loop, the target's t(n) (tree forwards of methods.core.engine), the draft step time and t_AR: a
-methods.measurement.profiles Profile, cached for tree=sequoia and the simulator's hardware=cpu validation.
+the real loop, and the cost table — t_AR (the loop's autoregressive step, t(1)) and, as ratios of it, the
+target's t(n) (tree forwards of methods.core.engine), the draft step time and the loop's verification —
+timed in interleaved rounds (methods.measurement.cost_table): a methods.measurement.profiles Profile, cached
+for tree=sequoia and the simulator's hardware=cpu validation unless its timings scattered.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,11 +31,21 @@ from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs
-from methods.core.timing import forward_times, verify_times
+from methods.core.timing import forward_round, forward_times, interleaved, star_inputs, verify_times
 from methods.core.verify import verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import build_drafter
+from methods.measurement.cost_table import (
+    DRAFT,
+    MAX_TIMING_DISPERSION,
+    T_AR,
+    TIMING_ATTEMPTS,
+    VERIFY,
+    CostTable,
+    cost_table,
+    scatter_reason,
+)
 from methods.measurement.profiles import (
     Profile,
     StarRule,
@@ -222,20 +233,14 @@ def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor 
     return out
 
 
-def _trajectories(run: _Run) -> tuple[list[torch.Tensor], float]:
-    """The target's own continuations (prompt + generated) and the loop's autoregressive step time: the whole
-    step (forward, verification, the loop's per-step bookkeeping), what a measured baseline pays per token."""
-    cal, s = run.cfg.calibration, run.sampling
-    opts = DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, cal.new_tokens, run.eos)
-    if cal.warmup:
-        decode(run.target, Autoregressive(), run.prompts[0], replace(opts, max_new_tokens=4), run.generator)
-    seqs, step_s, forwards = [], 0.0, 0
+def _trajectories(run: _Run) -> list[torch.Tensor]:
+    """The target's own continuations (prompt + generated) of the calibration prompts."""
+    seqs = []
     for ids in run.prompts:
-        r = decode(run.target, Autoregressive(), ids, opts, run.generator)
+        r = decode(run.target, Autoregressive(), ids, _ar_opts(run), run.generator)
         seqs.append(torch.cat([ids, torch.tensor(r.token_ids, dtype=torch.long)]))
-        step_s, forwards = step_s + r.time_total_s - r.time_prefill_s, forwards + r.n_target_forwards
         run.bar.update()
-    return seqs, step_s / max(forwards, 1)
+    return seqs
 
 
 def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
@@ -261,24 +266,59 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     return ranks
 
 
-def _depth_run(run: _Run) -> tuple[AcceptStats, float, float, float]:
-    """The drafter's chain/tree through the real loop: acceptance stats, seconds per draft step (one
-    draft forward per level, or one pass for a single-pass drafter), per speculation step, and the loop's
-    verification seconds per step (the target's forward, verification, commit)."""
-    cal, m = run.cfg.calibration, run.cfg.method
-    opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
-    if cal.warmup:
-        decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
-    stats, draft_s, verify_s, steps = AcceptStats(), 0.0, 0.0, 0
-    for ids in run.prompts[: cal.depth_prompts]:
-        r = decode(run.target, run.drafter, ids, opts, run.generator)
-        stats.merge(r.stats)
-        draft_s, verify_s = draft_s + r.time_draft_s, verify_s + r.time_verify_s
-        steps += r.n_target_forwards
+def _spec_opts(run: _Run) -> DecodeOptions:
+    cal = run.cfg.calibration
+    return DecodeOptions(Verifier(run.cfg.method.verifier), run.sampling, cal.new_tokens, run.eos)
+
+
+def _ar_opts(run: _Run) -> DecodeOptions:
+    s = run.sampling
+    return DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, run.cfg.calibration.new_tokens,
+                         run.eos)
+
+
+def _depth_run(run: _Run) -> AcceptStats:
+    """The drafter's chain/tree through the real loop: its acceptance stats (α_d, by rank)."""
+    stats = AcceptStats()
+    for ids in run.prompts[: run.cfg.calibration.depth_prompts]:
+        stats.merge(decode(run.target, run.drafter, ids, _spec_opts(run), run.generator).stats)
         run.bar.update()
-    per_step = draft_s / max(steps, 1) if run.tree.depth > 0 else 0.0
-    levels = run.tree.depth if m.draft_steps == "depth" else 1
-    return stats, per_step / max(levels, 1), per_step, verify_s / max(steps, 1)
+    return stats
+
+
+FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
+
+
+def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dict]:
+    """Interleaved timing (methods.core.timing.interleaved): per round one autoregressive decode (the loop's
+    step, t(1)), one decode with the drafter (seconds per draft step: one draft forward per level, or one
+    pass for a single-pass drafter; the loop's verification per speculation step) and, for each size, the
+    median of FORWARD_REPEAT tree forwards after ``context`` (t(n)). Round r decodes calibration prompt r
+    (cycling)."""
+    cal, m = run.cfg.calibration, run.cfg.method
+    levels = max(run.tree.depth if m.draft_steps == "depth" else 1, 1)
+    trees, tokens = star_inputs(run.target, sizes, run.cfg.seed)
+    prompt = {"ar": 0, "spec": 0}
+
+    def next_prompt(path: str) -> torch.Tensor:
+        i, prompt[path] = prompt[path], prompt[path] + 1
+        return run.prompts[i % len(run.prompts)]
+
+    def ar() -> dict:
+        r = decode(run.target, Autoregressive(), next_prompt("ar"), _ar_opts(run), run.generator)
+        return {T_AR: (r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1)}
+
+    def spec() -> dict:
+        r = decode(run.target, run.drafter, next_prompt("spec"), _spec_opts(run), run.generator)
+        steps = max(r.n_target_forwards, 1)
+        return {DRAFT: r.time_draft_s / steps / levels, VERIFY: r.time_verify_s / steps}
+
+    def forwards() -> dict:
+        run.target.reset()
+        run.target.prefill(context)
+        return forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
+
+    return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
 
 
 @torch.inference_mode()
@@ -301,46 +341,55 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
 class _Measured:
     ranks: list[list[int | None]]  # accepted rank of each star tree (None: none accepted), per depth
     stats: AcceptStats  # the drafter's chain/tree in the loop
-    t_ar: float
-    draft_step: float
-    spec_step: float
-    verify_step: float  # the loop's verification per speculation step (forward included)
-    times: dict[int, list[float]]  # n → forward seconds
+    table: CostTable  # t(1) and the ratios of the other costs to it, from interleaved rounds
+    attempts: list[dict[str, float]]  # dispersion of every timing attempt (the last one is ``table``'s)
     context: int
     setup_s: float
+
+
+def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
+    """The cost table, timed again (up to TIMING_ATTEMPTS) while its rounds scatter beyond the bound."""
+    attempts: list[dict[str, float]] = []
+    for attempt in range(1, TIMING_ATTEMPTS + 1):
+        table = cost_table(_cost_rounds(run, context, sizes))
+        attempts.append(table.dispersion)
+        why = scatter_reason(table.dispersion)
+        if not why:
+            break
+        again = "timing again" if attempt < TIMING_ATTEMPTS else "giving up"
+        print(f"calibrate: {why}; {again}", file=sys.stderr, flush=True)
+    return table, attempts
 
 
 def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured]:
     start, cal = time.perf_counter(), cfg.calibration
     run = _setup(cfg, models, bar)
     setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
-    seqs, t_ar = _trajectories(run)
+    seqs = _trajectories(run)
     ranks = _star_ranks(run, seqs)
-    stats, draft_step, spec_step, verify_step = _depth_run(run)
+    stats = _depth_run(run)
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
     sizes = sorted({1, run.tree.size, *(int(b) for b in cfg.tree.budgets)})  # the loop's tree: its overhead
-    times = forward_times(run.target, context, sizes, cal.reps, cal.warmup, cfg.seed)
+    table, attempts = _timed_table(run, context, sizes)
     bar.update()
-    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, verify_step, times, ctx, setup_s)
+    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
     """The calibration's own figures, kept in the profile for inspection."""
-    width = cfg.calibration.width
+    width, t = cfg.calibration.width, m.table
     counts = np.bincount([width if r is None else r for r in m.ranks[0]], minlength=width + 1)  # none last
-    # (first, third) quartile of each t(n), keyed by str(n) as JSON will have it
-    quartiles = {str(n): statistics.quantiles(v, n=4)[::2] if len(v) > 1 else v * 2
-                 for n, v in m.times.items()}
     return {
         "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
         "temperature": cfg.workload.temperature,
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
-        "draft_steps": cfg.method.draft_steps, "draft_per_speculation_step_s": m.spec_step,
-        "verify_per_speculation_step_s": m.verify_step,
-        "context_tokens": m.context, "reps": cfg.calibration.reps, "t_n_quartiles_s": quartiles,
+        "draft_steps": cfg.method.draft_steps,
+        "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
+        "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
+        "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
     }
@@ -357,16 +406,17 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
     extra = {**_extra(cfg, run, m, [load, os.getloadavg()[0]]), "seconds": time.perf_counter() - start}
     if max(extra["loadavg_1min"]) > (os.cpu_count() or 1):
         print(f"calibrate: the machine was busy (1-min load up to {max(extra['loadavg_1min']):.1f} on "
-              f"{os.cpu_count()} CPUs): t(n) and the draft time are likely inflated", file=sys.stderr)
+              f"{os.cpu_count()} CPUs): t(1) reads slow; the ratios of the costs to it were timed "
+              f"interleaved (timing dispersion {m.table.worst[1]:.0%})", file=sys.stderr)
     heads = getattr(run.drafter, "heads", None)  # Medusa: the tree cannot be deeper than its heads
-    t_n = {n: statistics.median(v) for n, v in m.times.items()}
-    overhead = max(0.0, m.verify_step - t_n[run.tree.size]) if run.tree.size > 1 else 0.0
     return Profile(
         acceptance_vector=tuple(rank_vector(m.ranks[0], cal.width)),
         acceptance_vectors_by_depth=tuple(tuple(rank_vector(r, cal.width)) for r in takewhile(bool, m.ranks))
         if len(m.ranks) > 1 else (),
         acceptance_by_depth=tuple(m.stats.by_depth()),
-        t_n=t_n, draft_time_s=m.draft_step, t_ar_s=m.t_ar, verify_overhead_s=overhead,
+        t_ar_s=m.table.t1_s, t_n_ratios=m.table.t_n_ratios, draft_ratio=m.table.draft_ratio,
+        verify_overhead_ratio=m.table.verify_overhead_ratio(run.tree.size),
+        timing_dispersion=m.table.dispersion,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
         n_positions=len(m.ranks[0]), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -383,13 +433,28 @@ class CalibrationResult:
 
 
 def calibrate(cfg: RunConfig, out_dir: Path | str, show_progress: bool = True) -> CalibrationResult:
-    """Measure afresh, cache the profile (replacing an older one) and copy it into the run dir."""
+    """Measure afresh, cache the profile (replacing an older one) unless its timings scattered, and copy it
+    into the run dir."""
     path = profile_path(cfg)
     with profile_lock(path):
         profile = measure_profile(cfg, show_progress=show_progress)
-        save_profile(profile, path)
+        not_cached = _cache_unless_scattered(profile, path)
     atomic_write_json(Path(out_dir) / "profile.json", profile.to_json())
-    return CalibrationResult(profile_metrics(cfg, profile, path), profile, path)
+    metrics = {**profile_metrics(cfg, profile, path), "profile_cached": not not_cached,
+               "not_cached_reason": not_cached}
+    return CalibrationResult(metrics, profile, path)
+
+
+def _cache_unless_scattered(profile: Profile, path: Path) -> str:
+    """Save ``profile`` at ``path`` unless its timings scattered beyond the bound; returns why not ("" when
+    saved). A busy phase during the calibration must not become every later run's prediction."""
+    why = scatter_reason(profile.timing_dispersion)
+    if why:
+        print(f"calibrate: profile NOT cached ({why}, in each of {TIMING_ATTEMPTS} timings): this run uses "
+              f"it, the next one measures again", file=sys.stderr, flush=True)
+        return why
+    save_profile(profile, path)
+    return ""
 
 
 def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, Any]:
@@ -408,6 +473,9 @@ def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, A
         "loop_tau": profile.extra["loop_tau"], "calibration_seconds": profile.extra["seconds"],
         "device": profile.device, "dtype": profile.dtype,
         "profile_path": str(path), "profile_key": profile.key,
+        "t_n_ratios": [profile.t_n_ratios[k] for k in n], "draft_ratio": profile.draft_ratio,
+        "timing_dispersion": profile.worst_dispersion,
+        "timing_dispersion_by_series": profile.timing_dispersion,
         "sequoia_tree_size": tree.size, "sequoia_tree_depth": tree.depth,
         "sequoia_predicted_tau": here["predicted_tau"],
         "sequoia_predicted_speedup_this_device": here["predicted_speedup"],
@@ -418,17 +486,29 @@ def profile_metrics(cfg: RunConfig, profile: Profile, path: Path) -> dict[str, A
 def ensure_profile(
     cfg: RunConfig, models=None, cache: Path | None = None, show_progress: bool = True
 ) -> Profile:
-    """The cached profile, or calibrate now (printing a notice) and cache it. ``models``
-    (methods.models.Models) avoids loading them twice when the caller has them. A profile without t(n) for
-    one of cfg.tree.budgets is measured again."""
+    """The cached profile, or calibrate now (printing a notice) and cache it (unless its timings scattered:
+    :func:`_cache_unless_scattered`). ``models`` (methods.models.Models) avoids loading them twice when the
+    caller has them. A profile without t(n) for one of cfg.tree.budgets, or one that a later run found stale
+    (its t(1) off that run's own: methods.measurement.staleness), is measured again."""
     path = profile_path(cfg, cache)
     with profile_lock(path):
         profile = load_profile(cfg, cache)
-        if profile is not None and not missing_budgets(profile, cfg):
+        why = remeasure_reason(profile, cfg)
+        if not why:
             return profile
-        why = "no profile yet" if profile is None else f"no t(n) for budgets {missing_budgets(profile, cfg)}"
         print(f"calibrating {cfg.method.drafter} on {cfg.model.name}/{cfg.workload.name} ({why}; "
               f"cached for later runs in {path})", file=sys.stderr, flush=True)
         profile = measure_profile(cfg, models, show_progress=show_progress)
-        save_profile(profile, path)
+        _cache_unless_scattered(profile, path)
     return profile
+
+
+def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
+    """Why a cached profile cannot serve ``cfg`` ("" when it can)."""
+    if profile is None:
+        return "no profile yet"
+    if missing_budgets(profile, cfg):
+        return f"no t(n) for budgets {missing_budgets(profile, cfg)}"
+    if profile.stale:
+        return f"the cached profile is stale: {profile.stale}"
+    return ""

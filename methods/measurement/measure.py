@@ -15,7 +15,7 @@ cost model does not price.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from methods.measurement.profiles import (
     sequoia_tree_for,
     tree_predictions,
 )
+from methods.measurement.staleness import judge_profile
 from methods.models import load_models
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
@@ -57,8 +58,10 @@ class _Totals:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    steps: list[float] = field(default_factory=list)  # seconds per decode step of each prompt (no prefill)
 
     def add(self, r: DecodeResult) -> None:
+        self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1))
         self.tokens += len(r.token_ids)
         self.seconds += r.time_total_s
         self.forwards += r.n_target_forwards
@@ -89,13 +92,14 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
     prompts = load_prompts(w, models.tokenizer, cfg.seed)
-    tree, predictions, profile = None, {}, None
+    tree, predictions, profile, sequoia_tree = None, {}, None, None
     if cfg.method.drafter != "autoregressive":  # the drafter's measured profile on this device (cached)
         pcfg = profile_config(cfg)
         profile = ensure_profile(pcfg, models, show_progress=show_progress)
         predictions["profile_path"] = str(profile_path(pcfg))
     if TreeKind(cfg.tree.kind) == TreeKind.sequoia:  # the DP-optimal tree for this drafter's measured vector
         tree, here, preset = sequoia_tree_for(cfg, profile)
+        sequoia_tree = tree
         predictions.update(prediction_metrics(cfg, here, preset))
         cfg = sequoia_config(cfg, profile)  # measured vector; Sequoia's verifier (w/o replacement) at T > 0
         predictions["verifier_used"] = cfg.method.verifier.value
@@ -128,9 +132,12 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}
-    else:
-        if "predicted_tau" not in predictions:  # not a Sequoia tree: predict the tree decoded with
-            predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, tree)))
+    else:  # the profile's t(1) against this run's own baseline step: if stale, predict with the run's t(1)
+        profile, judged = judge_profile(profile, profile_path(pcfg), base_t.steps)
+        predictions.update(judged)
+        if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
+            predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
+            predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted)))
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)

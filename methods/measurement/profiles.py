@@ -29,16 +29,23 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
-PROFILE_FORMAT = 8  # bump when what a profile means (6: warm t(n), 7: verify overhead, 8: 24 prompts)
+PROFILE_FORMAT = 9  # bump when what a profile means changes (8: 24 prompts; 9: costs as ratios of t(1) from
+# interleaved rounds, their dispersion, the stale mark)
 
 
 @dataclass(frozen=True)
 class Profile:
+    """What task=calibrate measured. Costs are kept as ratios of t(1) — the loop's autoregressive step
+    ``t_ar_s`` — taken round by round in interleaved timing (methods.core.timing.interleaved): a machine
+    busier in some rounds than in others moves t(1) but not the ratios. The absolute costs (``t_n``,
+    ``draft_time_s``, ``verify_overhead_s``) are the ratios times ``t_ar_s``; :meth:`with_t1` re-anchors them
+    on another run's own t(1)."""
+
     acceptance_vector: tuple[float, ...]  # [0, p_1, …, p_W, p_none], sums to 1
     acceptance_by_depth: tuple[float, ...]  # α_d of the drafter's chain/tree in the real loop, d = 1, 2, …
-    t_n: dict[int, float]  # n tree tokens → seconds of one target verify forward (median)
-    draft_time_s: float  # one draft step (a draft forward per level) or one pass of a single-pass drafter
-    t_ar_s: float  # one autoregressive step of the decode loop (forward + next token + commit)
+    t_ar_s: float  # t(1): one autoregressive step of the decode loop (forward + next token + commit), median
+    t_n_ratios: dict[int, float]  # n tree tokens → one target verify forward / t(1) (median of round ratios)
+    draft_ratio: float  # one draft step (a draft forward per level, or one single-pass drafter's pass) / t(1)
     model: str
     drafter: str
     workload: str
@@ -52,13 +59,38 @@ class Profile:
     extra: dict[str, Any] = field(default_factory=dict)  # counts, loop figures, timings of the calibration
     # one vector per depth for drafters whose depth-d children have their own law (Medusa: head d); else ()
     acceptance_vectors_by_depth: tuple[tuple[float, ...], ...] = ()
-    # per speculation step, the loop's verification work beyond the verify forward t(n): the target's choices,
-    # the accept walk, the KV commit, the bookkeeping (measured: loop verify time - t(n) of the loop's tree)
-    verify_overhead_s: float = 0.0
+    # per speculation step, the loop's verification work beyond the verify forward t(n), / t(1): the target's
+    # choices, the accept walk, the KV commit, the bookkeeping (loop verify time - t(n) of the loop's tree)
+    verify_overhead_ratio: float = 0.0
+    # relative IQR over the timing rounds of each series behind the costs (t1: absolute; others: ratios)
+    timing_dispersion: dict[str, float] = field(default_factory=dict)
+    stale: str = ""  # set by a later run whose own t(1) disagreed (why): ensure_profile measures again
+
+    @property
+    def t_n(self) -> dict[int, float]:
+        """n → seconds of one target verify forward, at this profile's t(1)."""
+        return {n: r * self.t_ar_s for n, r in self.t_n_ratios.items()}
+
+    @property
+    def draft_time_s(self) -> float:
+        return self.draft_ratio * self.t_ar_s
+
+    @property
+    def verify_overhead_s(self) -> float:
+        return self.verify_overhead_ratio * self.t_ar_s
+
+    @property
+    def worst_dispersion(self) -> float:
+        return max(self.timing_dispersion.values(), default=0.0)
+
+    def with_t1(self, t1_s: float) -> Profile:
+        """The same ratios anchored on another t(1) (a run's own autoregressive step)."""
+        return dataclasses.replace(self, t_ar_s=float(t1_s))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["t_n"] = {str(n): t for n, t in sorted(self.t_n.items())}  # JSON keys are strings
+        out["t_n_ratios"] = {str(n): t for n, t in sorted(self.t_n_ratios.items())}  # JSON keys are strings
+        out["t_n_s"] = {str(n): t for n, t in sorted(self.t_n.items())}  # for the reader; not read back
         return {"format": PROFILE_FORMAT, **out}
 
     @classmethod
@@ -66,7 +98,8 @@ class Profile:
         doc = dict(doc)
         if doc.pop("format", None) != PROFILE_FORMAT:
             raise ValueError("profile format differs from this version's")
-        doc["t_n"] = {int(n): float(t) for n, t in doc["t_n"].items()}
+        doc.pop("t_n_s", None)
+        doc["t_n_ratios"] = {int(n): float(t) for n, t in doc["t_n_ratios"].items()}
         doc["acceptance_vector"] = tuple(doc["acceptance_vector"])
         doc["acceptance_by_depth"] = tuple(doc["acceptance_by_depth"])
         by_depth = doc.get("acceptance_vectors_by_depth", ())

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import methods.measurement.calibrate as calibrate_module
+import methods.measurement.cost_table as cost_table_module
 from methods.core.sampling import SamplingParams
 from methods.measurement.calibrate import (
     Star,
@@ -114,6 +115,8 @@ def test_draft_equal_to_target_is_always_accepted_at_rank_one(run_config, tiny_m
 
 def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, monkeypatch):
     cfg = run_config(*SMALL, "method=vanilla")
+    # the cache logic is under test here, not this machine's noise (the bound has its own tests)
+    monkeypatch.setattr(cost_table_module, "MAX_TIMING_DISPERSION", float("inf"))
     calls = []
     real = calibrate_module.measure_profile
 
@@ -127,6 +130,8 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
+    assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n)}
+    assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
     assert prof.acceptance_by_depth and all(0 <= a <= 1 for a in prof.acceptance_by_depth)
@@ -188,19 +193,42 @@ def test_calibrate_task_writes_profile_and_metrics(run_config, cache, tmp_path):
 # ---- tree=sequoia from a profile --------------------------------------------------------------------------
 def _profile(max_draft_depth: int = 0) -> Profile:
     t_n = {1: 1e-3, 2: 1.02e-3, 4: 1.05e-3, 8: 1.1e-3, 16: 1.3e-3, 32: 1.8e-3, 64: 3e-3, 128: 5.5e-3}
-    return Profile((0.0, 0.6, 0.15, 0.05, 0.2), (0.6, 0.55), t_n, 1e-4, 1.1e-3, "zoo", "draft_model",
-                   "code", "cpu:test", "bfloat16", 3, 100, "2024-01-01T00:00:00+00:00",
-                   max_draft_depth=max_draft_depth)
+    t1 = 1.1e-3
+    ratios = {n: t / t1 for n, t in t_n.items()}
+    return Profile((0.0, 0.6, 0.15, 0.05, 0.2), (0.6, 0.55), t1, ratios, 1e-4 / t1,
+                   "zoo", "draft_model", "code", "cpu:test", "bfloat16", 3, 100, "2024-01-01T00:00:00+00:00",
+                   max_draft_depth=max_draft_depth, timing_dispersion={"t1": 0.03, "draft/t1": 0.05})
 
 
 def test_measured_cost_prices_the_loop_step():
     """t(1) = the loop's autoregressive step; trees pay their forward plus the verification overhead."""
-    prof = dataclasses.replace(_profile(), verify_overhead_s=2e-4)
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=2e-4 / 1.1e-3)
     cost = to_measured_cost(prof)
     assert cost.time(1) == pytest.approx(prof.t_ar_s)
     for n in (2, 8, 128):
         assert cost.time(n) == pytest.approx(prof.t_n[n] + 2e-4)
     assert to_measured_cost(_profile()).time(8) == pytest.approx(prof.t_n[8])
+
+
+def test_a_profile_keeps_ratios_of_t1_and_re_anchors_them(run_config):
+    """Costs are ratios of t(1): on another t(1) every cost scales with it and the predicted speedup of a
+    tree does not move (S = k̄ · t(1) / t_step); the absolute step time does."""
+    from specsim.tree import Tree
+
+    prof = _profile()
+    assert prof.t_n[8] == pytest.approx(1.1e-3) and prof.draft_time_s == pytest.approx(1e-4)
+    slow = prof.with_t1(4 * prof.t_ar_s)
+    assert slow.t_n_ratios == prof.t_n_ratios and slow.draft_ratio == prof.draft_ratio
+    assert slow.t_n[8] == pytest.approx(4 * prof.t_n[8]) and slow.draft_time_s == pytest.approx(4e-4)
+    assert to_measured_cost(slow).time(8) == pytest.approx(4 * float(to_measured_cost(prof).time(8)))
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    slow_here, _ = tree_predictions(cfg, slow, Tree.chain(4))
+    assert slow_here["predicted_speedup"] == pytest.approx(here["predicted_speedup"])
+    assert slow_here["t_step_s"] == pytest.approx(4 * here["t_step_s"])
+    doc = json.loads(json.dumps(prof.to_json()))
+    assert doc["t_n_s"]["8"] == pytest.approx(1.1e-3)  # absolute figures for the reader...
+    assert Profile.from_json(doc) == prof  # ... the ratios are what is read back
 
 
 @pytest.mark.parametrize("hardware", ["cpu", "a100"])

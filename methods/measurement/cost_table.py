@@ -1,0 +1,74 @@
+"""The cost table of a profile from interleaved timing rounds: t(n)/t(1), t_draft/t(1) and the loop's
+verification per speculation step / t(1), as medians of per-round ratios, and how much the rounds scattered.
+
+t(1) is the decode loop's autoregressive step (what the simulator calls t_AR, and what a run's own baseline
+pays per token). Every round (methods.core.timing.interleaved) times one autoregressive decode, one decode
+with the drafter and one tree forward per size, so a ratio compares costs taken on the same machine state;
+a busy phase that hits some rounds moves t(1) but not the ratios, and shows as dispersion. Speedup
+predictions depend on the ratios only (S = k̄ · t(1) / t_step, every term of t_step a multiple of t(1)).
+
+A profile whose timings still scatter beyond :data:`MAX_TIMING_DISPERSION` after :data:`TIMING_ATTEMPTS`
+timings is used by the run that measured it but never cached (methods.measurement.calibrate).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from methods.core.timing import ratios, relative_iqr, series
+
+# Relative IQR (Q3 − Q1) / median over the timing rounds above which a series counts as scattered. On the
+# shared 2-core development machine quiet calibrations of the zoo read 2–10%; a machine loaded for part of
+# the rounds splits them into two groups and reads far above (one core busy for half the rounds: ~60%+).
+MAX_TIMING_DISPERSION = 0.25
+TIMING_ATTEMPTS = 2  # a scattered timing is measured again once before the profile is kept out of the cache
+
+T_AR, DRAFT, VERIFY = "t_ar", "draft", "verify"  # a round's loop figures; its tree forwards are keyed by n
+
+
+@dataclass(frozen=True)
+class CostTable:
+    t1_s: float  # median over the rounds of the loop's autoregressive step
+    t_n_ratios: dict[int, float]  # n → median of the rounds' t_forward(n) / t(1)
+    draft_ratio: float  # median of the rounds' draft step / t(1)
+    verify_ratio: float  # median of the rounds' loop verification per speculation step / t(1)
+    dispersion: dict[str, float]  # relative IQR of each series: "t1" (seconds), the others as ratios
+    rounds: int
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        """The most scattered series and its relative IQR."""
+        return max(self.dispersion.items(), key=lambda kv: kv[1], default=("", 0.0))
+
+    def verify_overhead_ratio(self, tree_size: int) -> float:
+        """The loop's verification beyond the verify forward of its tree, / t(1) (0 without a tree)."""
+        return max(0.0, self.verify_ratio - self.t_n_ratios[tree_size]) if tree_size > 1 else 0.0
+
+
+def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
+    """Medians of per-round ratios to the round's own t(1) (key ``t_ar``); ``draft`` and ``verify`` keys and
+    int keys (tree forwards of n tokens) are optional per table but must be in every round."""
+    assert rounds, "no timing round"
+    sizes = sorted(k for k in rounds[0] if isinstance(k, int))
+    t1 = series(rounds, T_AR)
+    per = {n: ratios(rounds, n, T_AR) for n in sizes}
+    loop = {k: ratios(rounds, k, T_AR) for k in (DRAFT, VERIFY) if k in rounds[0]}
+    dispersion = {"t1": relative_iqr(t1)}
+    dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
+    dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
+    med = {k: statistics.median(v) for k, v in loop.items()}
+    return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
+                     med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds))
+
+
+def scatter_reason(dispersion: Mapping[str, float], bound: float | None = None) -> str:
+    """Why timings with this dispersion are not to be trusted ("" when they are); ``bound`` defaults to
+    :data:`MAX_TIMING_DISPERSION`."""
+    bound = MAX_TIMING_DISPERSION if bound is None else bound
+    bad = {k: v for k, v in dispersion.items() if v > bound}
+    if not bad:
+        return ""
+    shown = ", ".join(f"{k} {v:.0%}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
+    return f"timings scattered over the rounds (relative IQR {shown} > {bound:.0%})"
