@@ -19,7 +19,7 @@ from tqdm import tqdm
 from methods.data.workloads import load_prompts
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.measure import RunResult, run_tree
-from methods.measurement.profiles import Profile, profile_config, to_measured_cost, tree_predictions
+from methods.measurement.profiles import Profile, profile_config, tree_predictions
 from methods.measurement.vllm_engine import (
     Counters,
     Generation,
@@ -52,13 +52,9 @@ def checkpoints(cfg: RunConfig) -> Checkpoints:
 
 
 def vllm_profile(profile: Profile, t1: float, draft_step: float) -> Profile:
-    """The specsim profile's ratios priced with vLLM's steps: t(n) scaled so that t(1) = vLLM's plain step
-    ``t1``, the loop overhead scaled alike, and the draft step vLLM's own."""
-    scale = t1 / float(to_measured_cost(profile).time(1))
-    return dataclasses.replace(
-        profile, t_n={n: t * scale for n, t in profile.t_n.items()}, t_ar_s=t1,
-        verify_overhead_s=profile.verify_overhead_s * scale, draft_time_s=draft_step,
-    )
+    """The specsim profile's ratios (t(n)/t(1), verification overhead/t(1)) anchored on vLLM's plain step
+    ``t1``, with vLLM's own draft step."""
+    return dataclasses.replace(profile.with_t1(t1), draft_ratio=draft_step / t1)
 
 
 def _step_s(gen: Generation, max_new: int) -> float:
