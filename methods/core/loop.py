@@ -17,8 +17,8 @@ from methods.core.drafter import Draft, DraftContext, Drafter, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs, sample
-from methods.core.verify import verify
-from specsim.config import Verifier
+from methods.core.verify import verifier_params, verify
+from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
 
@@ -29,6 +29,14 @@ class DecodeOptions:
     max_new_tokens: int = 64
     eos_token_id: int | None = None
     verify_params: dict = field(default_factory=dict)  # e.g. typical acceptance's epsilon / delta
+
+    @classmethod
+    def for_method(cls, method: MethodConfig, sampling: SamplingParams, max_new_tokens: int,
+                   eos_token_id: int | None = None) -> DecodeOptions:
+        """The method's verifier with its parameters from ``method.params`` (typical acceptance's
+        posterior_threshold / posterior_alpha): what measure and calibration decode the method with."""
+        v = Verifier(method.verifier)
+        return cls(v, sampling, max_new_tokens, eos_token_id, verifier_params(v, method.params))
 
 
 @dataclass
@@ -134,11 +142,13 @@ def _verify(
 
 
 def verification_draft(draft: Draft) -> Draft:
-    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft itself."""
+    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft
+    itself."""
     n = draft.verifiable
     if n == draft.tree.size:
         return draft
-    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    q = None if draft.q is None else draft.q[:n]
+    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], q)
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:

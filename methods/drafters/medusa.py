@@ -27,6 +27,7 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.sampling import SamplingParams, probs
+from methods.core.verify import VERIFIER_PARAMS
 from methods.heads.medusa.checkpoint import load_heads
 from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.heads.medusa.train import TrainConfig
@@ -40,7 +41,8 @@ _SAMPLED = {
     Verifier.sequoia: "without",
 }
 
-_VERIFIER_KEYS = frozenset({"posterior_threshold", "posterior_alpha"})  # typical acceptance's ε, δ
+# keys of method.params that belong to a verifier (typical acceptance's ε, δ), not to the drafter
+_VERIFIER_KEYS = frozenset(k for names in VERIFIER_PARAMS.values() for k in names)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from itertools import takewhile
@@ -31,7 +31,7 @@ from methods.core.loop import DecodeOptions, decode
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs
 from methods.core.timing import forward_times, verify_times
-from methods.core.verify import verify
+from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import build_drafter
@@ -82,10 +82,12 @@ def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: 
 
 
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
-               generator: torch.Generator) -> list[int | None]:
+               generator: torch.Generator, params: Mapping | None = None) -> list[int | None]:
     """Verify one star tree per position with the configured verifier (methods.core.verify): p (T, V)
-    processed target law after each root, roots (T,) root tokens. The accepted child's rank (0-based), None
-    if none."""
+    processed target law after each root, roots (T,) root tokens; ``params``: method.params, whose verifier
+    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if
+    none."""
+    kwargs = verifier_params(rule.verifier, params or {})
     out: list[int | None] = []
     for t, star in enumerate(stars):
         k = int(star.children.numel())
@@ -98,7 +100,8 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
         tokens = torch.cat([roots[t : t + 1], star.children]).to(p.device)
         q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
         # the children's rows of p only feed the bonus token after an accepted leaf: not needed here
-        res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator)
+        res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator,
+                     **(kwargs if verifier == rule.verifier else {}))
         out.append(tree.ranks[res.accepted[1]] if len(res.accepted) > 1 else None)
     return out
 
@@ -256,7 +259,7 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
         for d, (parent, group) in enumerate(stars, 1):  # verified against p after the parent token
             if group:
                 ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
-                                           run.generator)
+                                           run.generator, run.cfg.method.params)
         run.bar.update()
     return ranks
 
@@ -266,7 +269,7 @@ def _depth_run(run: _Run) -> tuple[AcceptStats, float, float, float]:
     draft forward per level, or one pass for a single-pass drafter), per speculation step, and the loop's
     verification seconds per step (the target's forward, verification, commit)."""
     cal, m = run.cfg.calibration, run.cfg.method
-    opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
+    opts = DecodeOptions.for_method(m, run.sampling, cal.new_tokens, run.eos)
     if cal.warmup:
         decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
     stats, draft_s, verify_s, steps = AcceptStats(), 0.0, 0.0, 0

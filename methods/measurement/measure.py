@@ -106,7 +106,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     target = ModelEngine(models.target)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     eos = models.tokenizer.eos_token_id
-    opts = DecodeOptions(Verifier(cfg.method.verifier), sampling, w.max_new_tokens, eos)
+    opts = DecodeOptions.for_method(cfg.method, sampling, w.max_new_tokens, eos)
     # the baseline proposes the root alone: no verifier runs, the next token is the target's own
     base_opts = DecodeOptions(Verifier.greedy, sampling, w.max_new_tokens, eos)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]

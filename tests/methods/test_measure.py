@@ -66,3 +66,18 @@ def test_run_py_writes_metrics_and_samples(cli, tmp_path):
     assert metrics["task"] == "measure" and metrics["method"] == "prompt_lookup" and "tau" in metrics
     lines = (tmp_path / "run" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 2 and "accepted_lengths" in json.loads(lines[0])
+
+
+def test_typical_acceptance_reads_its_thresholds_from_the_method(run_config):
+    """posterior_threshold 1 and a huge posterior_alpha make the typical threshold min(ε, δ·e^{-H}) = 1: no
+    draft token passes, in measure's decode and in calibration's depth run and star trees. With the
+    defaults (ε 0.09, δ 0.3) the near-uniform random target (threshold ≈ 0.3/V < p ≈ 1/V) accepts nearly
+    everything."""
+    cfg = run_config(*SMALL, "method=medusa_typical", "tree=chain", "tree.gamma=2",
+                     "+method.params.heads=init", "method.params.num_heads=2",
+                     "method.params.posterior_threshold=1.0", "method.params.posterior_alpha=1e9",
+                     "workload.temperature=1.0", "workload.max_new_tokens=9")
+    m = measure(cfg, show_progress=False).metrics
+    assert m["accept_hist"][0] == m["n_target_forwards"] == m["n_tokens"] and m["tau"] == 1.0
+    # calibration's star trees: no child passes (p_none = 1), at every depth
+    assert [v[-1] for v in m["profile_acceptance_vectors_by_depth"]] == [1.0, 1.0]
