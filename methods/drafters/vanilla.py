@@ -74,7 +74,10 @@ class DraftModelDrafter:
         return cls(models.draft, tree, sampling, _MODES[verifier])
 
     def reset(self, prompt: torch.Tensor) -> None:
+        """Prefill the draft's cache with x_1..x_{t-1} (the root x_t is fed by the first propose): the loop
+        times reset as prefill, so the draft's prompt prefill stays out of the draft / decode time."""
         self.engine.reset()
+        self.engine.prefill(prompt[:-1].to(self.engine.device))
 
     # ---- propose --------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> Draft:
