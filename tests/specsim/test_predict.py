@@ -133,3 +133,16 @@ def test_specsim_imports_no_torch_and_no_hydra():
     code = "import sys, specsim, specsim.predict; print(sorted({'torch', 'hydra'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_method_without_a_drafter_predicts_plain_decoding(cli, tmp_path, run_config):
+    """method=autoregressive with a tree preset: nothing is drafted, so k̄ = 1 and the speedup is 1 (the
+    tree preset used to be priced as if drafted: tree=chain predicted 2.28x)."""
+    proc = cli(["task=simulate", "method=autoregressive", "tree=chain", f"hydra.run.dir={tmp_path / 'run'}"],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (m["tree"], m["predicted_tau"], m["predicted_speedup"], m["tree_size"]) == ("chain", 1.0, 1.0, 1)
+    for tree in ("kary", "medusa", "sequoia"):
+        p = simulate(run_config("task=simulate", "method=autoregressive", f"tree={tree}"))
+        assert (p.predicted_tau, p.predicted_speedup, p.tree_size, p.t_draft_s) == (1.0, 1.0, 1, 0.0)
