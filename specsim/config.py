@@ -92,11 +92,10 @@ class TreeConfig:
     kind: TreeKind = TreeKind.chain
     gamma: int = 4  # chain length
     k: int = 2  # kary branching
-    depth: int = 3  # kary depth / dynamic depth
+    depth: int = 3  # kary / dynamic: edges below the root (levels − 1)
     paths: list[list[int]] = field(default_factory=list)  # medusa
     budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])  # sequoia
-    max_depth: int = 10  # sequoia: levels including the root (reference's unit)
-    depth_minus_one: bool = False  # sequoia: d-1 draft steps for depth d
+    max_levels: int = 10  # sequoia: levels including the root (the reference's unit; depth + 1)
     total_tokens: int = 60  # dynamic (EAGLE-2)
     top_k: int = 10  # dynamic
 
@@ -275,7 +274,7 @@ def _validate_tree(t: TreeConfig) -> None:
     _check(t.gamma >= 1, "tree.gamma", f"must be >= 1, got {t.gamma}")
     _check(t.k >= 1, "tree.k", f"must be >= 1, got {t.k}")
     _check(t.depth >= 1, "tree.depth", f"must be >= 1, got {t.depth}")
-    _check(t.max_depth >= 2, "tree.max_depth", f"must be >= 2 (levels incl. the root), got {t.max_depth}")
+    _check(t.max_levels >= 2, "tree.max_levels", f"must be >= 2 (levels incl. the root), got {t.max_levels}")
     _check(bool(t.budgets) and all(b >= 1 for b in t.budgets), "tree.budgets", "need budgets >= 1")
     _check(t.total_tokens >= 1, "tree.total_tokens", f"must be >= 1, got {t.total_tokens}")
     _check(t.top_k >= 1, "tree.top_k", f"must be >= 1, got {t.top_k}")
