@@ -9,6 +9,7 @@ next root. The autoregressive baseline is the drafter proposing the root alone: 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +171,15 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     idx = torch.tensor(keep, device=draft.tokens.device)
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
     return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx], n_ver)
+
+
+def kept_nodes(tree: Tree, ok: Sequence[bool]) -> list[int]:
+    """The nodes left when every node with ``ok`` False is dropped with its whole subtree (the root is always
+    kept): ascending and closed under ancestors, ready for :func:`subtree`."""
+    alive = [True] * tree.size
+    for i in range(1, tree.size):  # parents precede children
+        alive[i] = bool(ok[i]) and alive[tree.parents[i]]
+    return [i for i in range(tree.size) if alive[i]]
 
 
 def subtree(tree: Tree, keep: list[int]) -> Tree:

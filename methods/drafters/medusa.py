@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
-from methods.core.sampling import SamplingParams, probs
+from methods.core.loop import kept_nodes, subtree
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.verify import VERIFIER_PARAMS
 from methods.heads.medusa.checkpoint import load_heads
 from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
@@ -174,27 +175,18 @@ def _widths(tree: Tree) -> list[int]:
 
 def _prune(tree: Tree, widths: list[int]) -> Tree:
     """Drop each node deeper than len(widths) or whose rank at depth d is >= widths[d-1], and its subtree."""
-    keep = np.zeros(tree.size, dtype=bool)
-    keep[0] = True
-    for i in range(1, tree.size):
-        d = tree.depths[i]
-        keep[i] = keep[tree.parents[i]] and d <= len(widths) and tree.ranks[i] < widths[d - 1]
-    if keep.all():
-        return tree
-    new = np.cumsum(keep) - 1  # old index -> new index
-    idx = np.flatnonzero(keep)
-    parents = [-1] + [int(new[tree.parents[i]]) for i in idx[1:]]
-    return Tree.from_parents(parents, [tree.ranks[i] for i in idx])
+    ok = [d <= len(widths) and r < widths[d - 1] for d, r in zip(tree.depths, tree.ranks)]
+    keep = kept_nodes(tree, ok)
+    return tree if len(keep) == tree.size else subtree(tree, keep)
 
 
 def _draw(q: torch.Tensor, n: int, mode: str, generator: torch.Generator) -> torch.Tensor:
-    """n candidates from q (V,): i.i.d. (with replacement), or a without-replacement sequence by Gumbel-top-k
-    (sorting log q + Gumbel noise draws sequentially without replacement); fewer when q's support is small."""
+    """n candidates from q (V,): i.i.d. (with replacement), or a without-replacement sequence (fewer when q's
+    support is smaller than n)."""
     if mode == "with_replacement":
         return torch.multinomial(q, n, replacement=True, generator=generator)
-    u = torch.rand(q.shape, generator=generator, device=generator.device).to(q.device).clamp_min(1e-20)
-    keys = torch.where(q > 0, q.log() - (-u.log()).log(), float("-inf"))
-    return keys.topk(min(n, int((q > 0).sum()))).indices
+    cands, drawn = draw_without_replacement(q, min(n, q.shape[-1]), generator)
+    return cands[drawn]
 
 
 def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None]:

@@ -29,7 +29,7 @@ from methods.core.drafter import Draft, DraftContext
 from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.metrics import AcceptStats
-from methods.core.sampling import SamplingParams, probs
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.timing import forward_times, verify_times
 from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
@@ -77,8 +77,8 @@ def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: 
         cands = q_logits.topk(width, dim=-1).indices  # (T, W)
         return [Star(c, None) for c in cands]
     q = probs(q_logits, sampling)  # (T, V)
-    keys, cands = (q / torch.empty_like(q).exponential_(generator=generator)).topk(width, dim=-1)  # (T, W)
-    return [Star(c[k > 0], qt) for c, k, qt in zip(cands, keys, q)]
+    cands, drawn = draw_without_replacement(q, width, generator)  # (T, W) each
+    return [Star(c[ok], qt) for c, ok, qt in zip(cands, drawn, q)]
 
 
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
