@@ -34,7 +34,7 @@ from methods.core.timing import forward_times, verify_times
 from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.registry import build_drafter
+from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.profiles import (
     Profile,
     StarRule,
@@ -296,7 +296,7 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
     tree = getattr(drafter, "tree", tree)  # a drafter may have cut the tree (Medusa: depth <= its heads)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     draft = ModelEngine(models.draft) if models.draft is not None else None
-    target = ModelEngine(models.target)
+    target = ModelEngine(backbone_of(drafter, models, cfg.model.name)[0])  # Medusa-2: its tuned target
     return _Run(cfg, models, target, draft, drafter, tree, ids, sampling, generator, bar)
 
 
