@@ -93,11 +93,10 @@ class TreeConfig:
     kind: TreeKind = TreeKind.chain
     gamma: int = 4  # chain length
     k: int = 2  # kary branching
-    depth: int = 3  # kary depth / dynamic depth
+    depth: int = 3  # kary / dynamic: edges below the root (levels − 1)
     paths: list[list[int]] = field(default_factory=list)  # medusa
     budgets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])  # sequoia
-    max_depth: int = 10  # sequoia: levels including the root (reference's unit)
-    depth_minus_one: bool = False  # sequoia: d-1 draft steps for depth d
+    max_levels: int = 10  # sequoia: levels including the root (the reference's unit; depth + 1)
     total_tokens: int = 60  # dynamic (EAGLE-2)
     top_k: int = 10  # dynamic
 
@@ -387,8 +386,8 @@ def _tree_nodes(t: TreeConfig) -> int | None:
 def _validate_tree_size(t: TreeConfig) -> None:
     """Sizes a run can afford: larger trees would stall the run (Sequoia's DP, a k-ary tree's k^depth)."""
     _check(t.depth <= MAX_TREE_LEVELS, "tree.depth", f"must be in [1, {MAX_TREE_LEVELS}], got {t.depth}")
-    _check(t.max_depth <= MAX_TREE_LEVELS, "tree.max_depth",
-           f"must be in [2, {MAX_TREE_LEVELS}] (levels incl. the root), got {t.max_depth}")
+    _check(t.max_levels <= MAX_TREE_LEVELS, "tree.max_levels",
+           f"must be in [2, {MAX_TREE_LEVELS}] (levels incl. the root), got {t.max_levels}")
     bad = [b for b in t.budgets if b > MAX_TREE_NODES]
     _check(not bad, "tree.budgets", f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), "
            f"got {bad}")
@@ -415,13 +414,13 @@ def _sequoia_width(cfg: RunConfig) -> int:
 
 
 def _validate_sequoia(cfg: RunConfig) -> None:
-    """Sequoia's selection needs at least one budget that a tree of max_depth levels and the vector's width
+    """Sequoia's selection needs at least one budget that a tree of max_levels levels and the vector's width
     can hold: 1 + W + … + W^(L−1) nodes."""
     t, width = cfg.tree, _sequoia_width(cfg)
-    capacity = sum(width ** d for d in range(t.max_depth))
+    capacity = sum(width ** d for d in range(t.max_levels))
     _check(min(t.budgets) <= capacity, "tree.budgets",
-           f"no budget of {list(t.budgets)} fits a tree of tree.max_depth={t.max_depth} levels and width "
-           f"{width} (at most {capacity} nodes): lower a budget or raise tree.max_depth")
+           f"no budget of {list(t.budgets)} fits a tree of tree.max_levels={t.max_levels} levels and width "
+           f"{width} (at most {capacity} nodes): lower a budget or raise tree.max_levels")
 
 
 def _validate_method(m: MethodConfig) -> None:
@@ -457,7 +456,7 @@ def _validate_tree(t: TreeConfig) -> None:
     _check(t.gamma >= 1, "tree.gamma", f"must be >= 1, got {t.gamma}")
     _check(t.k >= 1, "tree.k", f"must be >= 1, got {t.k}")
     _check(t.depth >= 1, "tree.depth", f"must be >= 1, got {t.depth}")
-    _check(t.max_depth >= 2, "tree.max_depth", f"must be >= 2 (levels incl. the root), got {t.max_depth}")
+    _check(t.max_levels >= 2, "tree.max_levels", f"must be >= 2 (levels incl. the root), got {t.max_levels}")
     _check(bool(t.budgets) and all(b >= 1 for b in t.budgets), "tree.budgets", "need budgets >= 1")
     _check(t.total_tokens >= 1, "tree.total_tokens", f"must be >= 1, got {t.total_tokens}")
     _check(t.top_k >= 1, "tree.top_k", f"must be >= 1, got {t.top_k}")

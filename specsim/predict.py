@@ -17,6 +17,8 @@ from specsim.expected import accepted_length_law, expected_tokens
 from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
+NO_DRAFTER = "autoregressive"  # the method.drafter that proposes nothing (methods.drafters.registry)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -58,13 +60,14 @@ def _inputs(cfg: RunConfig) -> dict[str, Any]:
 def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | None = None) -> Prediction:
     """Predict τ and speedup for ``cfg``. ``profile`` (a measured t(n), e.g. specsim.cost.MeasuredCost)
     replaces the roofline; ``tree`` is the exact tree a real run used (else built from ``cfg.tree``).
+    A method without a drafter (plain decoding) predicts the root alone: k̄ = 1, speedup 1.
     Sequoia and dynamic trees need a positional vector: without a measured one it is derived from the
     α model (specsim.trees.acceptance_vector); τ itself is always computed under the method's model."""
     model = from_config(cfg.method.acceptance)
     cost = CostModel.from_config(cfg, profile)
     kind = TreeKind(cfg.tree.kind)
-    if tree is None:
-        tree = build_tree(cfg.tree, model, cost)
+    if tree is None:  # a method without a drafter proposes nothing, whatever the tree preset says
+        tree = Tree.chain(0) if cfg.method.drafter == NO_DRAFTER else build_tree(cfg.tree, model, cost)
     vector = ()
     if kind in (TreeKind.sequoia, TreeKind.dynamic):  # the vector the tree was optimised for
         width = cfg.tree.top_k if kind == TreeKind.dynamic else None

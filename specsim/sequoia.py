@@ -2,6 +2,8 @@
 hardware-aware choice of (budget, depth), with the reference implementation's conventions.
 
 Vector ``[0, p_1, …, p_W, p_none]`` (p_none dropped): the child of rank i is the accepted one with p_i.
+Units: the DP and the selection count *levels* (the root included: a chain of γ drafts has γ + 1 levels), as
+the reference does; ``Tree.depth`` counts edges (levels − 1). Names say which: ``max_levels``, ``levels``.
 T[m][l][b] = best k̄ of a tree with exactly m nodes, at most l levels (root included) and b root children:
 T[1][l][0] = 1;  T[m][l][b] = max_{1<=y<m} T[y][l][b-1] + p_b · max_b' T[m-y][l-1][b']  (the b-th child
 gets the other m − y nodes). Same recursion, tie-breaking (first max) and float32 as the reference.
@@ -68,13 +70,13 @@ class SequoiaTable:
         return Tree.from_parents(parents, ranks)
 
 
-def solve(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_depth: int,
+def solve(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_levels: int,
           dtype: type = np.float32) -> SequoiaTable:
-    """Fill T for m <= max_budget, l <= max_depth. T[m] depends only on rows y < m, so each m is one
+    """Fill T for m <= max_budget, l <= max_levels. T[m] depends only on rows y < m, so each m is one
     vectorised max over (y, l, b): O(B² · L · W) work in B NumPy calls."""
     p = _ranks(acceptance_vector, dtype)
-    W, B, L = len(p) - 1, max_budget, max_depth
-    assert B >= 1 and L >= 1, "need max_budget >= 1 and max_depth >= 1"
+    W, B, L = len(p) - 1, max_budget, max_levels
+    assert B >= 1 and L >= 1, "need max_budget >= 1 and max_levels >= 1"
     T = np.full((B + 1, L + 1, W + 1), -np.inf, dtype=dtype)
     PM = np.full_like(T, -np.inf)
     T[1, 1:, 0] = 1.0
@@ -90,15 +92,15 @@ def solve(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_
     return SequoiaTable(p, T, PM)
 
 
-def solve_naive(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_depth: int,
+def solve_naive(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_levels: int,
                 dtype: type = np.float32) -> np.ndarray:
     """The same recursion as plain loops in the reference's order (for tests and the benchmark)."""
     p = _ranks(acceptance_vector, dtype)
     W = len(p) - 1
-    T = np.full((max_budget + 1, max_depth + 1, W + 1), -np.inf, dtype=dtype)
+    T = np.full((max_budget + 1, max_levels + 1, W + 1), -np.inf, dtype=dtype)
     T[1, 1:, 0] = 1.0
     for m in range(2, max_budget + 1):
-        for l in range(2, max_depth + 1):
+        for l in range(2, max_levels + 1):
             for b in range(1, W + 1):
                 best = -np.inf
                 for y in range(1, m):
@@ -114,45 +116,48 @@ class SequoiaTree:
     tree: Tree
     expected_tokens: float
     budget: int
-    depth: int  # levels including the root (reference unit)
+    levels: int  # levels including the root (tree.depth + 1)
 
 
-def optimal_tree(acceptance_vector: Sequence[float] | np.ndarray, budget: int, max_depth: int) -> SequoiaTree:
-    """The k̄-optimal tree with exactly ``budget`` nodes (root included) and at most ``max_depth`` levels."""
-    tree = solve(acceptance_vector, budget, max_depth).tree(budget, max_depth)
+def optimal_tree(acceptance_vector: Sequence[float] | np.ndarray, budget: int, max_levels: int
+                 ) -> SequoiaTree:
+    """The k̄-optimal tree with exactly ``budget`` nodes (root included) and at most ``max_levels`` levels."""
+    tree = solve(acceptance_vector, budget, max_levels).tree(budget, max_levels)
     return SequoiaTree(tree, expected_tokens(tree, acceptance_vector), budget, tree.depth + 1)
 
 
 @dataclass(frozen=True)
 class SequoiaChoice:
     budget: int
-    depth: int  # levels including the root (reference unit)
+    levels: int  # levels including the root (tree.depth + 1)
     expected_tokens: float
     speedup: float  # baseline_time / time_per_token
     time_per_token: float  # (draft steps · draft_time + target_time) / k̄
     tree: Tree
 
 
-def select(acceptance_vector: Sequence[float] | np.ndarray, max_depth: int, budgets: Sequence[int],
-           target_times: Sequence[float], draft_time: float, *, depth_minus_one: bool = False,
+def select(acceptance_vector: Sequence[float] | np.ndarray, max_levels: int, budgets: Sequence[int],
+           target_times: Sequence[float], draft_time: float, *, root_step: bool = True,
            baseline_time: float | None = None) -> SequoiaChoice:
-    """Hardware-aware (budget, depth): minimise (d · draft_time + target_times[i]) / T*[budgets[i]][d]
-    over budgets and depths d <= max_depth (levels incl. the root; d − 1 draft steps with
-    ``depth_minus_one``). Ties keep the earlier budget, then the shallower depth, as the reference. The
-    speedup is ``baseline_time`` (default target_times[0], the reference's choice) / the best time."""
+    """Hardware-aware (budget, levels): minimise (steps(l) · draft_time + target_times[i]) / T*[budgets[i]][l]
+    over budgets and l <= max_levels levels (root included). steps(l) = l with ``root_step`` (the
+    reference's charge, one draft step per level counting the root's) and l − 1 without (one step per level
+    below the root: what the simulator's DraftCost prices a tree of l levels at). Ties keep the earlier
+    budget, then the fewer levels, as the reference. The speedup is ``baseline_time`` (default
+    target_times[0], the reference's choice) / the best time."""
     assert len(budgets) == len(target_times) and budgets, "one target time per budget"
-    table = solve(acceptance_vector, max(budgets), max_depth)
+    table = solve(acceptance_vector, max(budgets), max_levels)
     dtype = table.values.dtype.type
     ac = table.best[np.asarray(budgets)]  # (K, L + 1)
-    steps = np.arange(max_depth + 1) - (1 if depth_minus_one else 0)  # (L + 1,)
+    steps = np.arange(max_levels + 1) - (0 if root_step else 1)  # (L + 1,) draft steps of l levels
     num = (steps[None, :] * float(draft_time) + np.asarray(target_times, float)[:, None]).astype(dtype)
     with np.errstate(divide="ignore", invalid="ignore"):
         x = np.where(ac > 0, num / ac, np.inf)  # (K, L + 1); −inf = no such tree (the reference skips)
-    i, d = np.unravel_index(int(np.argmin(x)), x.shape)  # row-major: first budget, then first depth
-    if not np.isfinite(x[i, d]):
-        raise ValueError(f"no tree fits any budget of {list(budgets)} within {max_depth} levels")
+    i, levels = np.unravel_index(int(np.argmin(x)), x.shape)  # row-major: first budget, then fewest levels
+    if not np.isfinite(x[i, levels]):
+        raise ValueError(f"no tree fits any budget of {list(budgets)} within {max_levels} levels")
     budget = int(budgets[i])
-    tree = table.tree(budget, int(d))
+    tree = table.tree(budget, int(levels))
     base = float(target_times[0] if baseline_time is None else baseline_time)
     k = expected_tokens(tree, acceptance_vector)
-    return SequoiaChoice(budget, int(d), k, base / float(x[i, d]), float(x[i, d]), tree)
+    return SequoiaChoice(budget, int(levels), k, base / float(x[i, levels]), float(x[i, levels]), tree)

@@ -32,17 +32,18 @@ def acceptance_vector(acceptance: AcceptanceLike, width: int | None = None) -> n
 def sequoia_choice(
     tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel
 ) -> sequoia.SequoiaChoice:
-    """Sequoia's hardware-aware selection over ``tree_cfg.budgets`` and depths <= ``tree_cfg.max_depth``:
-    target time t(budget) from the cost model (roofline or measured), draft time per step from the
-    method (a single-pass drafter's cost is a constant added to every target time instead). Selection
-    charges d draft steps for d levels (the reference) unless ``tree_cfg.depth_minus_one``; the
-    prediction of the chosen tree (specsim.predict) then charges one step per level below the root."""
+    """Sequoia's hardware-aware selection over ``tree_cfg.budgets`` and at most ``tree_cfg.max_levels``
+    levels (root included): target time t(budget) from the cost model (roofline or measured), draft time
+    per step from the method (a single-pass drafter's cost is a constant added to every drafted tree's
+    target time instead). A tree is charged what specsim.predict prices it at: one draft step per level
+    below the root (levels − 1; the reference charges one more), and no drafter cost for the root alone."""
     budgets = [int(b) for b in tree_cfg.budgets]
     per_step, constant = cost.draft.per_depth(cost.ar_time)
-    target_times = np.asarray(cost.verify_time(budgets), dtype=float) + constant  # (K,)
+    drafted = np.asarray(budgets) > 1  # the root alone drafts nothing: DraftCost.time is 0 there
+    target_times = np.asarray(cost.verify_time(budgets), dtype=float) + constant * drafted  # (K,)
     return sequoia.select(
-        acceptance_vector(acceptance), tree_cfg.max_depth, budgets, target_times.tolist(), per_step,
-        depth_minus_one=tree_cfg.depth_minus_one, baseline_time=cost.ar_time,
+        acceptance_vector(acceptance), tree_cfg.max_levels, budgets, target_times.tolist(), per_step,
+        root_step=False, baseline_time=cost.ar_time,
     )
 
 

@@ -79,13 +79,13 @@ TREE = [
     Bad(("tree.gamma=0",), ("tree.gamma", "[1, 1023]", "got 0")),
     Bad(("tree.gamma=abc",), ("tree.gamma", "abc")),  # wrong type (Hydra's compose)
     Bad(("tree=kary", "tree.k=50", "tree.depth=5"), ("tree=kary", "nodes", "1024")),
-    Bad(("task=simulate", "method=sequoia", "tree.max_depth=1000"), ("tree.max_depth", "64", "1000")),
-    Bad(("task=simulate", "method=sequoia", "tree.budgets=[64]", "tree.max_depth=2"),  # W = 32: 33 nodes
-        ("tree.budgets", "[64]", "tree.max_depth=2", "33")),
+    Bad(("task=simulate", "method=sequoia", "tree.max_levels=1000"), ("tree.max_levels", "64", "1000")),
+    Bad(("task=simulate", "method=sequoia", "tree.budgets=[64]", "tree.max_levels=2"),  # W = 32: 33 nodes
+        ("tree.budgets", "[64]", "tree.max_levels=2", "33")),
     Bad(("tree=kary", "tree.depth=100"), ("tree.depth", "64", "100"), slow=SLOW),
-    Bad(("task=simulate", "method=sequoia", "tree.max_depth=1"), ("tree.max_depth", ">= 2", "got 1"),
+    Bad(("task=simulate", "method=sequoia", "tree.max_levels=1"), ("tree.max_levels", ">= 2", "got 1"),
         slow=SLOW),
-    Bad(("task=simulate", "method=sequoia", "tree.budgets=[16]", "tree.max_depth=4",
+    Bad(("task=simulate", "method=sequoia", "tree.budgets=[16]", "tree.max_levels=4",
          "method.acceptance.vector=[0.0,0.9,0.1]"), ("tree.budgets", "width 1", "at most 4"), slow=SLOW),
     Bad(("task=simulate", "method=sequoia", "tree.budgets=[]"), ("tree.budgets", ">= 1"), slow=SLOW),
     Bad(("task=simulate", "method=sequoia", "tree.budgets=[8,4096]"), ("tree.budgets", "1024", "4096"),
@@ -155,7 +155,7 @@ MODEL = [
 
 EXPERIMENT = [
     Bad(("experiment=unknown",), ("experiment=unknown", "leviathan_table", "specbench")),
-    Bad(("experiment=sequoia_scaling", "tree.budgets=[64]", "tree.max_depth=2"), ("tree.budgets", "33")),
+    Bad(("experiment=sequoia_scaling", "tree.budgets=[64]", "tree.max_levels=2"), ("tree.budgets", "33")),
     Bad(("experiment=leviathan_table", "method.acceptance.alpha=1.5"), ("method.acceptance.alpha", "1.5"),
         slow=SLOW),
     Bad(("experiment=specbench", "method.drafter=nonexistent_drafter"), ("method.drafter", "task=measure"),

@@ -234,7 +234,7 @@ def test_every_numeric_field_is_range_checked(run_config):
     ("tree.budgets=[64]", "tree.budgets"), ("model.n_kv_heads=4", "model.n_kv_heads"),
 ])
 def test_cross_field_checks_name_the_key(run_config, override, key):
-    extra = ("tree=sequoia", "tree.max_depth=2") if key == "tree.budgets" else ()
+    extra = ("tree=sequoia", "tree.max_levels=2") if key == "tree.budgets" else ()
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
         run_config("task=simulate", override, *extra)
 

@@ -90,10 +90,20 @@ class StepFeedback:
     logits: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Backbone:
+    """A target of the drafter's own, for methods that change the model (Medusa-2 fine-tunes it jointly with
+    its heads): the model the method is lossless against, so the run's baseline decodes it too."""
+
+    model: torch.nn.Module
+    name: str  # said in metrics.json (``backbone``)
+
+
 @runtime_checkable
 class Drafter(Protocol):
-    """Optional class attribute ``feature_layers: tuple[int, ...]`` (default ()): decoder layers whose
-    outputs the drafter reads in ``DraftContext.features``."""
+    """Optional attributes: ``feature_layers: tuple[int, ...]`` (default ()): decoder layers whose outputs
+    the drafter reads in ``DraftContext.features``; ``backbone: Backbone | None`` (default None): the target
+    this drafter decodes against when it is not the run's (methods.drafters.registry.backbone_of)."""
 
     needs_hidden_states: bool
 

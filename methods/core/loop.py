@@ -9,6 +9,7 @@ next root. The autoregressive baseline is the drafter proposing the root alone: 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +18,8 @@ from methods.core.drafter import Draft, DraftContext, Drafter, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs, sample
-from methods.core.verify import verify
-from specsim.config import Verifier
+from methods.core.verify import verifier_params, verify
+from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
 
@@ -29,6 +30,14 @@ class DecodeOptions:
     max_new_tokens: int = 64
     eos_token_id: int | None = None
     verify_params: dict = field(default_factory=dict)  # e.g. typical acceptance's epsilon / delta
+
+    @classmethod
+    def for_method(cls, method: MethodConfig, sampling: SamplingParams, max_new_tokens: int,
+                   eos_token_id: int | None = None) -> DecodeOptions:
+        """The method's verifier with its parameters from ``method.params`` (typical acceptance's
+        posterior_threshold / posterior_alpha): what measure and calibration decode the method with."""
+        v = Verifier(method.verifier)
+        return cls(v, sampling, max_new_tokens, eos_token_id, verifier_params(v, method.params))
 
 
 @dataclass
@@ -162,6 +171,15 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     idx = torch.tensor(keep, device=draft.tokens.device)
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
     return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx], n_ver)
+
+
+def kept_nodes(tree: Tree, ok: Sequence[bool]) -> list[int]:
+    """The nodes left when every node with ``ok`` False is dropped with its whole subtree (the root is always
+    kept): ascending and closed under ancestors, ready for :func:`subtree`."""
+    alive = [True] * tree.size
+    for i in range(1, tree.size):  # parents precede children
+        alive[i] = bool(ok[i]) and alive[tree.parents[i]]
+    return [i for i in range(tree.size) if alive[i]]
 
 
 def subtree(tree: Tree, keep: list[int]) -> Tree:

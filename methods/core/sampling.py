@@ -129,6 +129,18 @@ def inverse_cdf(row: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last)
 
 
+def draw_without_replacement(q: Tensor, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """n draws without replacement from each row of q (..., V) (probabilities, need not be normalised):
+    (..., n) token ids in draw order and (..., n) bool, False for the draws beyond a row's support (a row
+    with fewer than n tokens of mass; those ids are meaningless). The exponential race: with E_i ~ Exp(1),
+    sorting q_i / E_i in descending order is a sequential draw without replacement ∝ q (equivalently,
+    Gumbel-top-k on log q). The noise comes from ``generator`` on its own device (a CPU generator works
+    with CUDA rows)."""
+    e = torch.empty(q.shape, dtype=q.dtype, device=generator.device).exponential_(generator=generator)
+    keys, idx = (q / e.to(q.device)).topk(n, dim=-1)
+    return idx, keys > 0
+
+
 def draw(rng: torch.Generator | Randomness, row: Tensor) -> int:
     """One token from the unnormalised, non-negative row (V,)."""
     return as_randomness(rng).first_success(row.new_zeros(0), row[None], (True,))[1]

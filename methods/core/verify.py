@@ -9,7 +9,7 @@ of the token after node i's path; randomness from a torch.Generator or any `samp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -257,6 +257,20 @@ VERIFIERS: dict[Verifier, Callable[..., VerifyResult]] = {
     Verifier.deterministic: verify_deterministic,
     Verifier.typical: verify_typical,
 }
+
+
+# method.params keys (Medusa's names) that set a verifier's keyword arguments, per verifier
+VERIFIER_PARAMS: dict[Verifier, dict[str, str]] = {
+    Verifier.typical: {"posterior_threshold": "epsilon", "posterior_alpha": "delta"},
+}
+
+
+def verifier_params(kind: Verifier | str, method_params: Mapping) -> dict[str, float]:
+    """The keyword arguments of verifier ``kind`` set in ``method.params`` (typical acceptance's
+    posterior_threshold ε / posterior_alpha δ); other verifiers take none, and keys of other verifiers are
+    ignored (a medusa preset carries the typical keys whatever verifier a run picks)."""
+    names = VERIFIER_PARAMS.get(Verifier(kind), {})
+    return {kw: float(method_params[key]) for key, kw in names.items() if key in method_params}
 
 
 def verify(kind: Verifier | str, draft: Draft, p: Tensor, generator: Source, **params: float) -> VerifyResult:

@@ -25,8 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
-from methods.core.sampling import SamplingParams, probs
+from methods.core.drafter import Backbone, Draft, DraftContext, StepFeedback, root_only
+from methods.core.loop import kept_nodes, subtree
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.verify import VERIFIER_PARAMS
 from methods.heads.medusa.checkpoint import load_heads
 from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.heads.medusa.train import TrainConfig
@@ -40,7 +42,8 @@ _SAMPLED = {
     Verifier.sequoia: "without",
 }
 
-_VERIFIER_KEYS = frozenset({"posterior_threshold", "posterior_alpha"})  # typical acceptance's ε, δ
+# keys of method.params that belong to a verifier (typical acceptance's ε, δ), not to the drafter
+_VERIFIER_KEYS = frozenset(k for names in VERIFIER_PARAMS.values() for k in names)
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,12 @@ class MedusaParams:
 class MedusaDrafter:
     needs_hidden_states = True
 
-    def __init__(self, heads: MedusaHeads, tree: Tree, sampling: SamplingParams, mode: str = "topk") -> None:
+    def __init__(self, heads: MedusaHeads, tree: Tree, sampling: SamplingParams, mode: str = "topk",
+                 backbone: Backbone | None = None) -> None:
         assert mode in ("topk", "with_replacement", "without"), f"unknown candidate mode {mode!r}"
         assert tree.depth <= heads.num_heads, f"tree depth {tree.depth} > {heads.num_heads} Medusa heads"
         self.heads, self.tree, self.sampling, self.mode = heads.eval(), tree, sampling, mode
+        self.backbone = backbone  # Medusa-2: the tuned target, decoded by the method and its baseline
         self._h: torch.Tensor | None = None
         self._trees: dict[int, tuple[Tree, list[int]]] = {}
 
@@ -100,11 +105,12 @@ class MedusaDrafter:
         cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
     ) -> MedusaDrafter:
         """Heads per ``method.params`` (MedusaParams); tree = the configured one, or Medusa's greedy tree of
-        ``tree_budget`` nodes built from the accuracies measured with the heads. Medusa-2 (``joint``) LOADS
-        THE JOINTLY TRAINED TARGET'S WEIGHTS INTO ``models.target`` in place: Medusa-2 changes the model."""
+        ``tree_budget`` nodes built from the accuracies measured with the heads. Medusa-2 (``joint``) changes
+        the model: its jointly trained target is the drafter's ``backbone`` (``models.target`` is left as
+        it is), which the run decodes on both sides (methods.drafters.registry.backbone_of)."""
         mp = MedusaParams.from_method(method)
         verifier = Verifier(method.verifier)
-        heads, accuracy = _heads(mp, models)
+        heads, accuracy, backbone = _heads(mp, models)
         if mp.tree_budget > 0:
             assert accuracy is not None, "tree_budget needs measured accuracies (heads=train or a saved dir)"
             tree = greedy_tree(accuracy, mp.tree_budget, max_depth=heads.num_heads).tree
@@ -118,7 +124,7 @@ class MedusaDrafter:
         if verifier == Verifier.chain and tree.width > 1:
             raise ValueError(f"verifier chain needs a chain tree, got {tree}: use specinfer or sequoia")
         mode = "topk" if sampling.greedy else _SAMPLED.get(verifier, "topk")
-        return cls(heads, tree, sampling, mode)
+        return cls(heads, tree, sampling, mode, backbone)
 
     # ---- protocol -----------------------------------------------------------------------------------
     def reset(self, prompt: torch.Tensor) -> None:
@@ -172,35 +178,27 @@ def _widths(tree: Tree) -> list[int]:
 
 def _prune(tree: Tree, widths: list[int]) -> Tree:
     """Drop each node deeper than len(widths) or whose rank at depth d is >= widths[d-1], and its subtree."""
-    keep = np.zeros(tree.size, dtype=bool)
-    keep[0] = True
-    for i in range(1, tree.size):
-        d = tree.depths[i]
-        keep[i] = keep[tree.parents[i]] and d <= len(widths) and tree.ranks[i] < widths[d - 1]
-    if keep.all():
-        return tree
-    new = np.cumsum(keep) - 1  # old index -> new index
-    idx = np.flatnonzero(keep)
-    parents = [-1] + [int(new[tree.parents[i]]) for i in idx[1:]]
-    return Tree.from_parents(parents, [tree.ranks[i] for i in idx])
+    ok = [d <= len(widths) and r < widths[d - 1] for d, r in zip(tree.depths, tree.ranks)]
+    keep = kept_nodes(tree, ok)
+    return tree if len(keep) == tree.size else subtree(tree, keep)
 
 
 def _draw(q: torch.Tensor, n: int, mode: str, generator: torch.Generator) -> torch.Tensor:
-    """n candidates from q (V,): i.i.d. (with replacement), or a without-replacement sequence by Gumbel-top-k
-    (sorting log q + Gumbel noise draws sequentially without replacement); fewer when q's support is small."""
+    """n candidates from q (V,): i.i.d. (with replacement), or a without-replacement sequence (fewer when q's
+    support is smaller than n)."""
     if mode == "with_replacement":
         return torch.multinomial(q, n, replacement=True, generator=generator)
-    u = torch.rand(q.shape, generator=generator, device=generator.device).to(q.device).clamp_min(1e-20)
-    keys = torch.where(q > 0, q.log() - (-u.log()).log(), float("-inf"))
-    return keys.topk(min(n, int((q > 0).sum()))).indices
+    cands, drawn = draw_without_replacement(q, min(n, q.shape[-1]), generator)
+    return cands[drawn]
 
 
-def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None]:
-    """Load / train / initialise the heads on the target's device and dtype; measured accuracy if known."""
+def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None, Backbone | None]:
+    """Load / train / initialise the heads on the target's device and dtype; measured accuracy if known;
+    Medusa-2's tuned target (a new model on the target's device and dtype; None for Medusa-1)."""
     target = models.target
     lm = target.get_output_embeddings().weight  # (V, H)
     cfg = HeadsConfig(mp.num_heads, mp.num_layers, hidden_size=lm.shape[1], vocab_size=lm.shape[0])
-    accuracy = None
+    accuracy, backbone = None, None
     if mp.heads in ("init", "random"):
         heads = MedusaHeads.from_lm_head(cfg, lm.detach())
         if mp.heads == "random":  # random ResBlocks: heads that disagree with the LM head (tests)
@@ -214,11 +212,12 @@ def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None]:
         built = ensure_medusa(target, models.tokenizer, mp.train_config())
         loaded = load_heads(built.heads_dir)
         heads, accuracy = loaded.heads, built.accuracy
-        if built.target_dir is not None:  # Medusa-2: the jointly trained target replaces the original
+        if built.target_dir is not None:  # Medusa-2: the jointly trained target, a model of its own
             from transformers import AutoModelForCausalLM
 
             tuned = AutoModelForCausalLM.from_pretrained(built.target_dir, local_files_only=True)
-            target.load_state_dict(tuned.state_dict())
+            tuned = tuned.to(device=lm.device, dtype=lm.dtype).eval()
+            backbone = Backbone(tuned, f"medusa-2 tuned target {built.root.name}")
     else:
         loaded = load_heads(Path(mp.heads))
         heads = loaded.heads
@@ -230,4 +229,4 @@ def _heads(mp: MedusaParams, models) -> tuple[MedusaHeads, np.ndarray | None]:
             f"medusa heads {mp.heads!r} are for (hidden, vocab) = {got}, the target has "
             f"{(cfg.hidden_size, cfg.vocab_size)}"
         )
-    return heads.to(device=lm.device, dtype=lm.dtype).eval(), accuracy
+    return heads.to(device=lm.device, dtype=lm.dtype).eval(), accuracy, backbone

@@ -38,6 +38,13 @@ def drafter_class(name: str) -> type:
     return getattr(import_module(module), attr)
 
 
+def backbone_of(drafter, models, model_name: str) -> tuple[object, str]:
+    """(target model, its name for metrics.json) that both the method and its same-run baseline decode: the
+    drafter's own backbone (Medusa-2's tuned target), else the run's target ("<model> target")."""
+    own = getattr(drafter, "backbone", None)
+    return (own.model, own.name) if own is not None else (models.target, f"{model_name} target")
+
+
 def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling):
     """The drafter ``method.drafter`` names, built for this run."""
     return drafter_class(method.drafter).from_config(method, tree, models, sampling)

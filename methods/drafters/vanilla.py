@@ -3,9 +3,10 @@
 A chain of γ, or any ``Tree`` preset filled level by level: ONE draft forward per level with tree attention
 over the draft's own KV cache (SpecInfer/Sequoia style). Children of a node are, by the configured verifier:
 greedy / deterministic / typical → the top-k tokens of q (deterministic, Draft.q = None); chain / specinfer →
-drawn i.i.d. from q (with replacement); sequoia → drawn without replacement (exponential race); the sampled
-modes return q rows. The draft cache follows the accepted path: accepted nodes that were fed stay, the rest
-is dropped, and committed tokens the draft has not read (last accepted leaf, bonus) are fed next time.
+drawn i.i.d. from q (with replacement); sequoia → drawn without replacement (the exponential race of
+sampling.draw_without_replacement); the sampled modes return q rows. The draft cache follows the accepted
+path: accepted nodes that were fed stay, the rest is dropped, and committed tokens the draft has not read
+(last accepted leaf, bonus) are fed next time.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
-from methods.core.loop import subtree
-from methods.core.sampling import SamplingParams, probs
+from methods.core.loop import kept_nodes, subtree
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -74,7 +75,10 @@ class DraftModelDrafter:
         return cls(models.draft, tree, sampling, _MODES[verifier])
 
     def reset(self, prompt: torch.Tensor) -> None:
+        """Prefill the draft's cache with x_1..x_{t-1} (the root x_t is fed by the first propose): the loop
+        times reset as prefill, so the draft's prompt prefill stays out of the draft / decode time."""
         self.engine.reset()
+        self.engine.prefill(prompt[:-1].to(self.engine.device))
 
     # ---- propose --------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> Draft:
@@ -109,10 +113,9 @@ class DraftModelDrafter:
             q[level.parents] = rows_q
             if self.mode == "with_replacement":
                 choice = torch.multinomial(rows_q, level.width, replacement=True, generator=generator)
-            else:  # exponential race: ascending E_i / q_i is a draw without replacement ∝ q
-                race = rows_q / torch.empty_like(rows_q).exponential_(generator=generator)
-                keys, choice = race.topk(level.width, dim=-1)
-                valid[level.kids] = keys[level.rows, level.cols] > 0  # fewer tokens with mass than children
+            else:
+                choice, drawn = draw_without_replacement(rows_q, level.width, generator)
+                valid[level.kids] = drawn[level.rows, level.cols]  # fewer tokens with mass than children
         tokens[level.kids] = choice[level.rows, level.cols]
 
     def _plan(self, tree: Tree) -> list[_Level]:
@@ -140,11 +143,9 @@ class DraftModelDrafter:
 
     def _prune(self, draft: Draft, valid: torch.Tensor) -> Draft:
         """Drop children that had no q mass left to be drawn (and their subtrees)."""
-        tree, ok = draft.tree, valid.tolist()
-        for i in range(1, tree.size):
-            ok[i] = ok[i] and ok[tree.parents[i]]
-        keep = [i for i in range(tree.size) if ok[i]]
+        keep = kept_nodes(draft.tree, valid.tolist())
         self._node_ids = keep
+        tree = draft.tree
         idx = torch.tensor(keep, device=draft.tokens.device)
         return Draft(subtree(tree, keep), draft.tokens[idx], draft.q[idx])
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from itertools import takewhile
@@ -30,12 +30,12 @@ from methods.core.drafter import Draft, DraftContext
 from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.metrics import AcceptStats
-from methods.core.sampling import SamplingParams, probs
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.timing import forward_round, forward_times, interleaved, star_inputs, verify_times
-from methods.core.verify import verify
+from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.registry import build_drafter
+from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
@@ -88,15 +88,17 @@ def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: 
         cands = q_logits.topk(width, dim=-1).indices  # (T, W)
         return [Star(c, None) for c in cands]
     q = probs(q_logits, sampling)  # (T, V)
-    keys, cands = (q / torch.empty_like(q).exponential_(generator=generator)).topk(width, dim=-1)  # (T, W)
-    return [Star(c[k > 0], qt) for c, k, qt in zip(cands, keys, q)]
+    cands, drawn = draw_without_replacement(q, width, generator)  # (T, W) each
+    return [Star(c[ok], qt) for c, ok, qt in zip(cands, drawn, q)]
 
 
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
-               generator: torch.Generator) -> list[int | None]:
+               generator: torch.Generator, params: Mapping | None = None) -> list[int | None]:
     """Verify one star tree per position with the configured verifier (methods.core.verify): p (T, V)
-    processed target law after each root, roots (T,) root tokens. The accepted child's rank (0-based), None
-    if none."""
+    processed target law after each root, roots (T,) root tokens; ``params``: method.params, whose verifier
+    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if
+    none."""
+    kwargs = verifier_params(rule.verifier, params or {})
     out: list[int | None] = []
     for t, star in enumerate(stars):
         k = int(star.children.numel())
@@ -109,7 +111,8 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
         tokens = torch.cat([roots[t : t + 1], star.children]).to(p.device)
         q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
         # the children's rows of p only feed the bonus token after an accepted leaf: not needed here
-        res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator)
+        res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator,
+                     **(kwargs if verifier == rule.verifier else {}))
         out.append(tree.ranks[res.accepted[1]] if len(res.accepted) > 1 else None)
     return out
 
@@ -261,14 +264,14 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
         for d, (parent, group) in enumerate(stars, 1):  # verified against p after the parent token
             if group:
                 ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
-                                           run.generator)
+                                           run.generator, run.cfg.method.params)
         run.bar.update()
     return ranks
 
 
 def _spec_opts(run: _Run) -> DecodeOptions:
-    cal = run.cfg.calibration
-    return DecodeOptions(Verifier(run.cfg.method.verifier), run.sampling, cal.new_tokens, run.eos)
+    """The method's own decoding options (its verifier and that verifier's parameters, e.g. typical's)."""
+    return DecodeOptions.for_method(run.cfg.method, run.sampling, run.cfg.calibration.new_tokens, run.eos)
 
 
 def _ar_opts(run: _Run) -> DecodeOptions:
@@ -333,7 +336,7 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
     tree = getattr(drafter, "tree", tree)  # a drafter may have cut the tree (Medusa: depth <= its heads)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     draft = ModelEngine(models.draft) if models.draft is not None else None
-    target = ModelEngine(models.target)
+    target = ModelEngine(backbone_of(drafter, models, cfg.model.name)[0])  # Medusa-2: its tuned target
     return _Run(cfg, models, target, draft, drafter, tree, ids, sampling, generator, bar)
 
 

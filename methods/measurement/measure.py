@@ -27,7 +27,7 @@ from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.registry import build_drafter
+from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.profiles import (
     prediction_metrics,
@@ -107,10 +107,11 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
     baseline = Autoregressive()
-    target = ModelEngine(models.target)
+    backbone, backbone_name = backbone_of(drafter, models, cfg.model.name)  # one target for both sides
+    target = ModelEngine(backbone)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     eos = models.tokenizer.eos_token_id
-    opts = DecodeOptions(Verifier(cfg.method.verifier), sampling, w.max_new_tokens, eos)
+    opts = DecodeOptions.for_method(cfg.method, sampling, w.max_new_tokens, eos)
     # the baseline proposes the root alone: no verifier runs, the next token is the target's own
     base_opts = DecodeOptions(Verifier.greedy, sampling, w.max_new_tokens, eos)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
@@ -146,6 +147,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "tree_size": tree.size,
         "tree_depth": tree.depth,
         "lossless": cfg.method.lossless,
+        "backbone": backbone_name,  # the target the method and the baseline both decoded
         "dtype": str(models.dtype).removeprefix("torch."),
         "device": str(models.device),
     })

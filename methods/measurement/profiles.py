@@ -317,7 +317,7 @@ def sequoia_config(cfg: RunConfig, profile: Profile) -> RunConfig:
     typical) keep their verifier."""
     out = copy.deepcopy(profile_config(cfg))
     if profile.max_draft_depth:
-        out.tree.max_depth = max(2, min(out.tree.max_depth, profile.max_draft_depth + 1))  # levels incl. root
+        out.tree.max_levels = max(2, min(out.tree.max_levels, profile.max_draft_depth + 1))
     a = out.method.acceptance
     a.kind, a.calibrated = AcceptanceKind.vector, True
     a.vector = drafter_vector(cfg, profile.acceptance_vector)

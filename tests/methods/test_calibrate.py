@@ -237,7 +237,7 @@ def test_sequoia_tree_for_stays_within_budget(run_config, hardware):
     cfg = run_config("method=vanilla", "tree=sequoia", f"hardware={hardware}", budgets)
     prof = _profile()
     tree, here, preset = sequoia_tree_for(cfg, prof)
-    assert 1 < tree.size <= 128 and tree.size in cfg.tree.budgets and tree.depth + 1 <= cfg.tree.max_depth
+    assert 1 < tree.size <= 128 and tree.size in cfg.tree.budgets and tree.depth + 1 <= cfg.tree.max_levels
     assert here["cost_source"] == "measured" and preset["cost_source"] == "roofline"
     assert here["tree_size"] == preset["tree_size"] == tree.size
     assert here["predicted_tau"] == pytest.approx(preset["predicted_tau"]) and here["predicted_tau"] > 1

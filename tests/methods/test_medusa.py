@@ -554,9 +554,9 @@ def test_from_config_reads_the_preset_params(target):
 
 
 @pytest.mark.slow
-def test_medusa2_drafter_swaps_in_the_tuned_target(micro, tmp_path, monkeypatch):
-    """heads=train with joint=True: the run's target gets Medusa-2's weights, and decoding with the drafter
-    stays greedy-equivalent to that (tuned) target."""
+def test_medusa2_drafter_brings_its_tuned_target(micro, tmp_path, monkeypatch):
+    """heads=train with joint=True: the drafter's backbone is Medusa-2's tuned target (the run's target is
+    left as it is), and decoding with the drafter stays greedy-equivalent to that (tuned) target."""
     import copy
 
     from methods.models import Models
@@ -578,7 +578,10 @@ def test_medusa2_drafter_swaps_in_the_tuned_target(micro, tmp_path, monkeypatch)
     drafter = MedusaDrafter.from_config(
         method, Tree.from_paths([[0], [1], [0, 0]]), models, SamplingParams(0)
     )
-    assert any(not torch.equal(v, target.state_dict()[k]) for k, v in run_target.state_dict().items())
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in run_target.state_dict().items())
+    tuned = drafter.backbone.model
+    assert drafter.backbone.name.startswith("medusa-2 tuned target")
+    assert any(not torch.equal(v, target.state_dict()[k]) for k, v in tuned.state_dict().items())
     prompt = torch.randint(0, len(tok), (9,), generator=torch.Generator().manual_seed(2))
-    out = _decode(run_target, drafter, prompt, SamplingParams(temperature=0), Verifier.greedy, 20)
-    assert out.token_ids == _reference_greedy(run_target, prompt, 20)
+    out = _decode(tuned, drafter, prompt, SamplingParams(temperature=0), Verifier.greedy, 20)
+    assert out.token_ids == _reference_greedy(tuned, prompt, 20)

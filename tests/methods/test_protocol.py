@@ -9,7 +9,7 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
-from methods.core.loop import DecodeOptions, decode, limit_depth, verification_draft
+from methods.core.loop import DecodeOptions, decode, kept_nodes, limit_depth, subtree, verification_draft
 from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
 from specsim.tree import Tree
@@ -95,3 +95,14 @@ def test_verification_draft_and_depth_limit_keep_the_verifiable_prefix():
     assert verification_draft(Draft(tree, torch.arange(6))).tree is tree
     with pytest.raises(AssertionError, match="n_verifiable"):
         Draft(tree, torch.arange(6), None, n_verifiable=0)
+
+
+def test_kept_nodes_drop_whole_subtrees():
+    """Hand-built tree: 0 → {1, 2}, 1 → {3, 4}, 2 → {5}, 3 → {6}. Dropping 1 drops 3, 4, 6; dropping 5 drops
+    only 5; the root stays whatever ``ok`` says."""
+    tree = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3])
+    assert kept_nodes(tree, [True] * 7) == list(range(7))
+    assert kept_nodes(tree, [False, False, True, True, True, True, True]) == [0, 2, 5]
+    assert kept_nodes(tree, [True, True, True, True, True, False, True]) == [0, 1, 2, 3, 4, 6]
+    pruned = subtree(tree, kept_nodes(tree, [True, True, True, False, True, True, True]))
+    assert pruned.parents == (-1, 0, 0, 1, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from methods.core.sampling import (
     TorchRandomness,
     as_randomness,
     draw,
+    draw_without_replacement,
     inverse_cdf,
     probs,
     sample,
@@ -164,3 +166,48 @@ def test_sample_frequencies():
     sigma = torch.sqrt(row * (1 - row) / n)
     assert ((counts / n - row).abs() <= 5 * sigma + 1e-12).all()
     assert draw(g, torch.tensor([0.0, 0.0, 2.0])) == 2
+
+
+@pytest.mark.parametrize(("success", "then"), [
+    ([0.5], [[0.25, 0.75], [0.5, 0.5]]),
+    ([0.25, 0.5], [[0.75, 0.25, 0.0], [0.0, 0.5, 0.5], [0.25, 0.25, 0.5]]),
+])
+def test_first_success_joint_law_is_exact_on_a_stratified_grid(monkeypatch, success, then):
+    """The exact law of (i, token): P(i) · then[i] / Σ then[i], the token independent of the coins. The
+    uniforms are fed from the midpoints of an N^(k+1) grid: with every probability a multiple of 1/N, the
+    grid reproduces the law exactly — so drawing the token with a coin that decided i (correlated with the
+    outcome) shows as a difference, not as noise."""
+    N = 8
+    success_t, then_t = torch.tensor(success), torch.tensor(then)
+    k = len(success)
+    grid = [(j + 0.5) / N for j in range(N)]
+    feed = iter(itertools.product(grid, repeat=k + 1))
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.tensor(next(feed), dtype=torch.float64))
+    rng = TorchRandomness(torch.Generator())
+    law: dict[tuple[int, int], float] = {}
+    for _ in range(N ** (k + 1)):
+        out = rng.first_success(success_t, then_t, (True,) * (k + 1))
+        law[out] = law.get(out, 0.0) + 1 / N ** (k + 1)
+    exact, none_yet = {}, 1.0
+    for i, row in enumerate(then):
+        pr = none_yet * (success[i] if i < k else 1.0)
+        none_yet *= 1 - success[i] if i < k else 0.0
+        for tok, w in enumerate(row):
+            if pr * w > 0:
+                exact[(i, tok)] = pr * w / sum(row)
+    assert law.keys() == exact.keys()
+    assert all(law[o] == pytest.approx(exact[o], abs=1e-12) for o in exact), (law, exact)
+
+
+def test_draw_without_replacement_has_the_sequential_law():
+    """The ordered pair drawn from q without replacement: P(a, b) = q_a · q_b / (1 − q_a) (hand-computed for
+    q = [0.5, 0.3, 0.2, 0]); three draws cover the support, the fourth is flagged as outside it."""
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
+    n = 40000
+    ids, ok = draw_without_replacement(q.expand(n, -1), 4, torch.Generator().manual_seed(7))  # (n, 4)
+    assert ok[:, :3].all() and not ok[:, 3].any()
+    assert (ids[:, :3] != 3).all() and (ids[:, :3].sort(-1).values == torch.tensor([0, 1, 2])).all()
+    for (a, b), pr in {(0, 1): 0.3, (0, 2): 0.2, (1, 0): 0.3 * 0.5 / 0.7, (1, 2): 0.3 * 0.2 / 0.7,
+                       (2, 0): 0.2 * 0.5 / 0.8, (2, 1): 0.2 * 0.3 / 0.8}.items():
+        freq = float(((ids[:, 0] == a) & (ids[:, 1] == b)).double().mean())
+        assert abs(freq - pr) < 5 * math.sqrt(pr * (1 - pr) / n), (a, b, freq, pr)

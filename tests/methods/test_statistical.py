@@ -25,6 +25,10 @@ T1 = SamplingParams(temperature=1.0)
 
 LOSSLESS = {
     "chain": (Verifier.chain, Tree.chain(3), T1),
+    # γ = 2 < N_TOKENS: token 3 is the bonus whenever both drafts are accepted (with γ = 3 the run's length
+    # cuts the bonus off, so it is never observed)
+    "chain_bonus": (Verifier.chain, Tree.chain(2), T1),
+    "specinfer_bonus": (Verifier.specinfer, Tree.kary(2, 1), T1),
     "chain_t0.8_topk10_topp0.9": (Verifier.chain, Tree.chain(3), SamplingParams(0.8, top_k=10, top_p=0.9)),
     "specinfer": (Verifier.specinfer, Tree.kary(2, 3), T1),
     "sequoia": (Verifier.sequoia, Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4]), T1),

@@ -1,5 +1,6 @@
 """build_tree for every tree kind, simulate(), and Sequoia's hardware finding (offloading wants big trees)."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -50,7 +51,7 @@ MEDUSA = MethodConfig(name="medusa", drafter="medusa", draft_fixed_ratio=0.09, d
 SEQUOIA = MethodConfig(name="sequoia", drafter="draft_model", draft_cost="roofline",
                        acceptance=AcceptanceConfig(kind=AcceptanceKind.vector, vector=SEQUOIA_VECTOR))
 SEQUOIA_TREE = TreeConfig(
-    name="sequoia", kind=TreeKind.sequoia, budgets=[2**i for i in range(10)], max_depth=16
+    name="sequoia", kind=TreeKind.sequoia, budgets=[2**i for i in range(10)], max_levels=16
 )
 
 
@@ -69,17 +70,26 @@ def test_offloading_picks_a_bigger_tree_and_a_higher_speedup(method, model):
     assert offload.t_verify_s == pytest.approx(offload.t_ar_s, rel=0.01)  # flat t(n): size is free
 
 
-def test_sequoia_tree_is_the_selected_dp_tree():
-    cfg = _cfg(SEQUOIA, A100, LLAMA7B)
-    cost = CostModel.from_config(cfg)
-    tree = build_tree(cfg.tree, specsim.acceptance_from_config(cfg.method.acceptance), cost)
-    choice = specsim.trees.sequoia_choice(cfg.tree, SEQUOIA_VECTOR, cost)
-    assert tree == choice.tree and tree.size in cfg.tree.budgets
-    # the DP tree beats a k-ary and a chain of no more nodes under the same vector
-    k = expected_tokens(tree, SEQUOIA_VECTOR)
-    assert k >= expected_tokens(Tree.chain(tree.size - 1), SEQUOIA_VECTOR)
-    assert k >= max(expected_tokens(Tree.kary(kk, d), SEQUOIA_VECTOR)
-                    for kk in (2, 3, 4) for d in range(1, 6) if Tree.kary(kk, d).size <= tree.size)
+@pytest.mark.parametrize(("slope", "ratio"), [(0.0, 0.4), (0.03, 0.4), (0.03, 0.8), (0.01, 0.05)])
+def test_sequoia_tree_is_the_cheapest_per_token_at_the_simulators_own_price(slope, ratio):
+    """Oracle: every (budget, levels) of the grid, its DP-optimal tree priced by the simulator itself
+    (CostModel.step_time / k̄, one draft step per level below the root): the chosen tree is the cheapest.
+    The selection used to charge one more draft step than this price and picked other trees (here: deeper
+    ones, or a drafted tree slower than plain decoding). t(n) = 1 + slope·(n − 1), draft step ratio·t(1)."""
+    method = MethodConfig(name="vanilla", drafter="draft_model", draft_cost_ratio=ratio,
+                          acceptance=SEQUOIA.acceptance)
+    tree_cfg = TreeConfig(name="sequoia", kind=TreeKind.sequoia, budgets=[1, 2, 4, 8, 16, 32, 64],
+                          max_levels=12)
+    cfg = _cfg(method, A100, LLAMA7B, tree_cfg)
+    profile = MeasuredCost((1, 64), (1.0, 1.0 + 63 * slope))
+    cost = CostModel.from_config(cfg, profile)
+    chosen = simulate(cfg, profile=profile)
+    table = sequoia.solve(SEQUOIA_VECTOR, 64, 12)
+    prices = [cost.step_time(t) / expected_tokens(t, SEQUOIA_VECTOR)
+              for b in tree_cfg.budgets for levels in range(1, 13) if np.isfinite(table.best[b, levels])
+              for t in [table.tree(b, levels)]]
+    assert chosen.t_step_s / chosen.predicted_tau == pytest.approx(min(prices), rel=1e-5)
+    assert chosen.tree_size in tree_cfg.budgets and chosen.tree_levels <= 12
 
 
 @pytest.mark.parametrize("kind", list(TreeKind))
@@ -105,12 +115,26 @@ def test_simulate_every_tree_kind(kind):
         assert p.tree_width <= tree_cfg.top_k
 
 
-def test_dynamic_tree_is_the_best_of_its_size():
-    tree_cfg = TreeConfig(kind=TreeKind.dynamic, total_tokens=30, depth=5, top_k=3)
+@pytest.mark.parametrize(("total_tokens", "depth", "top_k"), [(6, 3, 2), (5, 2, 3), (6, 6, 1)])
+def test_dynamic_tree_is_the_best_of_its_size(total_tokens, depth, top_k):
+    """Oracle: brute force over every tree of total_tokens + 1 nodes (each node's parent any earlier node),
+    at most ``depth`` edges deep and ``top_k`` children per node, scored by the positional vector; the
+    dynamic preset's tree reaches the best k̄. top_k 1 is the chain: k̄ = (1 − p^(n+1)) / (1 − p) by hand."""
+    tree_cfg = TreeConfig(kind=TreeKind.dynamic, total_tokens=total_tokens, depth=depth, top_k=top_k)
     model = PowerAcceptance(0.8, 0.9)
     tree = build_tree(tree_cfg, model, CostModel(MeasuredCost((1,), (1.0,)), DraftCost()))
-    vector = specsim.acceptance_vector(model, 3)
-    assert expected_tokens(tree, vector) == pytest.approx(sequoia.optimal_tree(vector, 31, 6).expected_tokens)
+    vector = specsim.acceptance_vector(model, top_k)
+    n = total_tokens + 1
+    best = 0.0
+    for parents in itertools.product(*[range(i) for i in range(1, n)]):
+        t = Tree.from_parents((-1, *parents))
+        if t.depth <= depth and t.width <= top_k:
+            best = max(best, expected_tokens(t, vector))
+    assert tree.size == n and tree.depth <= depth and tree.width <= top_k
+    assert expected_tokens(tree, vector) == pytest.approx(best, rel=1e-6)
+    if top_k == 1:
+        p1 = vector[1]
+        assert best == pytest.approx((1 - p1 ** (n)) / (1 - p1), rel=1e-9)
 
 
 def test_simulate_uses_a_given_tree_and_a_measured_profile():
@@ -133,3 +157,16 @@ def test_specsim_imports_no_torch_and_no_hydra():
     code = "import sys, specsim, specsim.predict; print(sorted({'torch', 'hydra'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_method_without_a_drafter_predicts_plain_decoding(cli, tmp_path, run_config):
+    """method=autoregressive with a tree preset: nothing is drafted, so k̄ = 1 and the speedup is 1 (the
+    tree preset used to be priced as if drafted: tree=chain predicted 2.28x)."""
+    proc = cli(["task=simulate", "method=autoregressive", "tree=chain", f"hydra.run.dir={tmp_path / 'run'}"],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (m["tree"], m["predicted_tau"], m["predicted_speedup"], m["tree_size"]) == ("chain", 1.0, 1.0, 1)
+    for tree in ("kary", "medusa", "sequoia"):
+        p = simulate(run_config("task=simulate", "method=autoregressive", f"tree={tree}"))
+        assert (p.predicted_tau, p.predicted_speedup, p.tree_size, p.t_draft_s) == (1.0, 1.0, 1, 0.0)

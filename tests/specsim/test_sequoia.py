@@ -114,18 +114,18 @@ def test_more_budget_or_depth_never_lowers_the_optimum(v):
 
 @settings(max_examples=15, deadline=None)
 @given(vectors(max_width=5), st.integers(1, 20), st.integers(2, 6))
-def test_optimal_tree_contract(v, budget, max_depth):
+def test_optimal_tree_contract(v, budget, max_levels):
     W = len(v) - 2
-    capacity = sum(W**i for i in range(max_depth))
+    capacity = sum(W**i for i in range(max_levels))
     if budget > capacity:
         with pytest.raises(ValueError, match="no tree"):
-            sequoia.optimal_tree(v, budget, max_depth)
+            sequoia.optimal_tree(v, budget, max_levels)
         return
-    res = sequoia.optimal_tree(v, budget, max_depth)
-    assert res.tree.size == budget and res.depth == res.tree.depth + 1 <= max_depth
+    res = sequoia.optimal_tree(v, budget, max_levels)
+    assert res.tree.size == budget and res.levels == res.tree.depth + 1 <= max_levels
     assert res.expected_tokens == pytest.approx(expected_tokens(res.tree, v))
     if budget > 1:
-        smaller = sequoia.optimal_tree(v, budget - 1, max_depth)
+        smaller = sequoia.optimal_tree(v, budget - 1, max_levels)
         assert res.expected_tokens >= smaller.expected_tokens - 1e-6
 
 
@@ -136,30 +136,30 @@ def test_reproduces_the_reference_demo():
         v, cfg["max_depth"], cfg["valid_budget"], cfg["target_time"], cfg["draft_time"]
     )
     ref_tree = Tree.from_successors(ref["Successors"])
-    assert choice.budget == ref["size"] and choice.depth == max(ref["depth"]) + 1
+    assert choice.budget == ref["size"] and choice.levels == max(ref["depth"]) + 1
     assert choice.tree == ref_tree
     assert list(choice.tree.depths) == ref["depth"]
     assert choice.tree.ancestor_mask.astype(int).tolist() == ref["mask"]
     # the demo tree is a chain, so k̄ is the chain closed form in p_1, and the reference's objective
     assert choice.expected_tokens == pytest.approx(specsim.chain_expected_tokens(v[1], choice.budget - 1))
     i = cfg["valid_budget"].index(choice.budget)
-    time = (choice.depth * cfg["draft_time"] + cfg["target_time"][i]) / choice.expected_tokens
+    time = (choice.levels * cfg["draft_time"] + cfg["target_time"][i]) / choice.expected_tokens
     assert choice.time_per_token == pytest.approx(time, rel=1e-6)
     assert choice.speedup == pytest.approx(cfg["target_time"][0] / time, rel=1e-6)
 
 
-def test_select_is_the_brute_force_minimum_and_honours_depth_minus_one():
+def test_select_is_the_brute_force_minimum_for_either_step_charge():
     v = np.array([0, 0.6, 0.15, 0.08, 0.05, 0.12])
     budgets, times, draft = [1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.1, 1.4], 0.08
-    for minus_one in (False, True):
+    for root_step in (True, False):
         best = sequoia.solve(v, 16, 8).best
         grid = [
-            ((d - minus_one) * draft + t) / best[b, d]
-            for b, t in zip(budgets, times) for d in range(1, 9) if np.isfinite(best[b, d])
+            ((levels - (not root_step)) * draft + t) / best[b, levels]
+            for b, t in zip(budgets, times) for levels in range(1, 9) if np.isfinite(best[b, levels])
         ]
-        choice = sequoia.select(v, 8, budgets, times, draft, depth_minus_one=minus_one)
+        choice = sequoia.select(v, 8, budgets, times, draft, root_step=root_step)
         assert choice.time_per_token == pytest.approx(min(grid), rel=1e-6)
-        steps = choice.depth - minus_one
+        steps = choice.levels - (not root_step)
         assert choice.time_per_token == pytest.approx(
             (steps * draft + times[budgets.index(choice.budget)]) / choice.expected_tokens, rel=1e-5
         )
