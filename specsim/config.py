@@ -81,6 +81,12 @@ class MethodConfig:
     # simulator: "ratio" prices a draft step at draft_cost_ratio·t(1); "roofline" uses the draft model's
     # own roofline (model.draft_params, draft_n_layers, draft_hidden_size) on the same hardware
     draft_cost: str = "ratio"
+    # simulator: draft tokens the draft model settles per forward along a tree's levels (Staged SD: the
+    # second stage's tokens per draft forward, > 1); 1 = one draft forward per level
+    draft_tokens_per_forward: float = 1.0
+    # simulator: tokens the verify forward computes beyond the priced tree (Lookahead: its Jacobi branch and
+    # the candidates beyond the one chain τ is priced on), so t(n) is charged for the whole forward
+    verify_extra_tokens: int = 0
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # drafter-specific knobs (gamma for vanilla, ngram sizes for lookup, heads for medusa, …)
     params: dict[str, Any] = field(default_factory=dict)
@@ -241,6 +247,10 @@ def validate(cfg: RunConfig) -> RunConfig:
 def _validate_method(m: MethodConfig) -> None:
     _check(m.draft_cost_ratio >= 0, "method.draft_cost_ratio", f"must be >= 0, got {m.draft_cost_ratio}")
     _check(m.draft_fixed_ratio >= 0, "method.draft_fixed_ratio", f"must be >= 0, got {m.draft_fixed_ratio}")
+    _check(m.draft_tokens_per_forward >= 1, "method.draft_tokens_per_forward",
+           f"must be >= 1, got {m.draft_tokens_per_forward}")
+    _check(m.verify_extra_tokens >= 0, "method.verify_extra_tokens",
+           f"must be >= 0, got {m.verify_extra_tokens}")
     _choice(m.draft_steps, "method.draft_steps", ("depth", "one"))
     _choice(m.draft_cost, "method.draft_cost", ("ratio", "roofline"))
     _check(

@@ -15,6 +15,8 @@ DRAFTERS = MappingProxyType({
     "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
+    "lookahead": "methods.drafters.lookahead:Lookahead",
+    "staged": "methods.drafters.staged:StagedDrafter",
 })
 
 

@@ -139,6 +139,19 @@ def depth_tree(cfg: RunConfig) -> Tree:
     return build_tree(cfg.tree, from_config(cfg.method.acceptance), CostModel.from_config(cfg))
 
 
+def priced_tokens(cfg: RunConfig, tree: Tree) -> int:
+    """Tokens of the loop's verify forward as the simulator prices it (specsim.cost's verify_tokens)."""
+    return tree.size + (cfg.method.verify_extra_tokens if tree.depth > 0 else 0)
+
+
+def loop_forward_tokens(cfg: RunConfig, run: _Run) -> int:
+    """Tokens of the loop's verify forward, after the depth run: what the drafter counted itself
+    (``run_stats()["verify_forward_tokens"]``, Lookahead: both branches, the trie as full as the pool was),
+    else the priced tree."""
+    mean = run.drafter.run_stats().get("verify_forward_tokens") if hasattr(run.drafter, "run_stats") else None
+    return max(run.tree.size, round(mean)) if mean else priced_tokens(cfg, run.tree)
+
+
 def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -> ForwardOut:
     """Logits (and hidden states) at every position of seq (T,), causally, leaving the engine empty."""
     engine.reset()
@@ -166,7 +179,14 @@ def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.T
 
 
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
-LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
+LAWS: dict[str, Law] = {  # drafter name → its law q
+    "draft_model": _draft_model_law,
+    "medusa": _medusa_law,
+    "staged": _draft_model_law,  # the spine's children are the draft model's top-k at the true prefix
+}
+# drafters whose proposals follow the verifications (Lookahead's Jacobi window lives on the target's outputs
+# at its lookahead branch): no star tree can be drawn off-line, their acceptance comes from the real loop
+LOOP_DRAFTERS = frozenset({"lookahead"})
 
 
 def star_depths(run: _Run) -> int:
@@ -261,16 +281,29 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     return ranks
 
 
-def _depth_run(run: _Run) -> tuple[AcceptStats, float, float, float]:
-    """The drafter's chain/tree through the real loop: acceptance stats, seconds per draft step (one
-    draft forward per level, or one pass for a single-pass drafter), per speculation step, and the loop's
-    verification seconds per step (the target's forward, verification, commit)."""
+def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
+    """A loop drafter's acceptance as a chain's star ranks: at depth d, of the steps that accepted d-1
+    drafts, one rank-0 acceptance per step that accepted a d-th, None per step that did not — the ratio
+    P(≥ d accepted) / P(≥ d-1) of the loop's histogram, so that a chain of ``depths`` predicts the loop's τ
+    (Lookahead: τ from the measured acceptance of its verification branch, whatever its trie's shape)."""
+    hist = stats.hist  # hist[k]: steps that accepted k drafts
+    out = []
+    for d in range(1, depths + 1):
+        reached, accepted = sum(hist[d - 1 :]), sum(hist[d:])
+        out.append([0] * accepted + [None] * (reached - accepted))
+    return out
+
+
+def _depth_run(run: _Run, n_prompts: int) -> tuple[AcceptStats, float, float, float]:
+    """The drafter's chain/tree through the real loop on ``n_prompts`` prompts: acceptance stats, seconds
+    per draft step (one draft forward per level, or one pass for a single-pass drafter), per speculation
+    step, and the loop's verification seconds per step (the target's forward, verification, commit)."""
     cal, m = run.cfg.calibration, run.cfg.method
     opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
     if cal.warmup:
         decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
     stats, draft_s, verify_s, steps = AcceptStats(), 0.0, 0.0, 0
-    for ids in run.prompts[: cal.depth_prompts]:
+    for ids in run.prompts[:n_prompts]:
         r = decode(run.target, run.drafter, ids, opts, run.generator)
         stats.merge(r.stats)
         draft_s, verify_s = draft_s + r.time_draft_s, verify_s + r.time_verify_s
@@ -308,6 +341,7 @@ class _Measured:
     times: dict[int, list[float]]  # n → forward seconds
     context: int
     setup_s: float
+    forward_tokens: int  # mean tokens of the loop's verify forward (loop_forward_tokens)
 
 
 def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured]:
@@ -315,14 +349,19 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     run = _setup(cfg, models, bar)
     setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
     seqs, t_ar = _trajectories(run)
-    ranks = _star_ranks(run, seqs)
-    stats, draft_step, spec_step, verify_step = _depth_run(run)
+    loop = cfg.method.drafter in LOOP_DRAFTERS  # its acceptance from the loop, on every calibration prompt
+    ranks = [] if loop else _star_ranks(run, seqs)
+    stats, draft_step, spec_step, verify_step = _depth_run(run, cal.prompts if loop else cal.depth_prompts)
+    if loop:
+        ranks = _loop_ranks(stats, star_depths(run))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    sizes = sorted({1, run.tree.size, *(int(b) for b in cfg.tree.budgets)})  # the loop's tree: its overhead
+    forward = loop_forward_tokens(cfg, run)  # the loop's verify forward: t(n) for its overhead
+    sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     times = forward_times(run.target, context, sizes, cal.reps, cal.warmup, cfg.seed)
     bar.update()
-    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, verify_step, times, ctx, setup_s)
+    return run, _Measured(ranks, stats, t_ar, draft_step, spec_step, verify_step, times, ctx, setup_s,
+                          forward)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -338,6 +377,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
+        "loop_verify_forward_tokens": m.forward_tokens,
         "draft_steps": cfg.method.draft_steps, "draft_per_speculation_step_s": m.spec_step,
         "verify_per_speculation_step_s": m.verify_step,
         "context_tokens": m.context, "reps": cfg.calibration.reps, "t_n_quartiles_s": quartiles,
@@ -350,7 +390,9 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
     """Calibrate ``cfg``'s drafter against its target on this device (see the module docstring)."""
     start, cal, load = time.perf_counter(), cfg.calibration, os.getloadavg()[0]
     models = models or load_models(cfg.model, cfg.device, cfg.model.dtype)
-    bar = tqdm(total=2 * cal.prompts + cal.depth_prompts + 1, desc=f"calibrate {cfg.method.drafter}",
+    loop = cfg.method.drafter in LOOP_DRAFTERS  # no star trees; every prompt through the loop
+    total = 2 * cal.prompts + 1 if loop else 2 * cal.prompts + cal.depth_prompts + 1
+    bar = tqdm(total=total, desc=f"calibrate {cfg.method.drafter}",
                disable=not show_progress)
     with bar:
         run, m = _measure(cfg, models, bar)
@@ -360,7 +402,7 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
               f"{os.cpu_count()} CPUs): t(n) and the draft time are likely inflated", file=sys.stderr)
     heads = getattr(run.drafter, "heads", None)  # Medusa: the tree cannot be deeper than its heads
     t_n = {n: statistics.median(v) for n, v in m.times.items()}
-    overhead = max(0.0, m.verify_step - t_n[run.tree.size]) if run.tree.size > 1 else 0.0
+    overhead = max(0.0, m.verify_step - t_n[m.forward_tokens]) if run.tree.size > 1 else 0.0
     return Profile(
         acceptance_vector=tuple(rank_vector(m.ranks[0], cal.width)),
         acceptance_vectors_by_depth=tuple(tuple(rank_vector(r, cal.width)) for r in takewhile(bool, m.ranks))
