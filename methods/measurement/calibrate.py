@@ -294,12 +294,13 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
     return out
 
 
-def _depth_run(run: _Run, n_prompts: int) -> tuple[AcceptStats, float, float, float]:
-    """The drafter's chain/tree through the real loop on ``n_prompts`` prompts: acceptance stats, seconds
-    per draft step (one draft forward per level, or one pass for a single-pass drafter), per speculation
-    step, and the loop's verification seconds per step (the target's forward, verification, commit)."""
+def _depth_run(run: _Run, n_prompts: int, new_tokens: int) -> tuple[AcceptStats, float, float, float]:
+    """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each:
+    acceptance stats, seconds per draft step (one draft forward per level, or one pass for a single-pass
+    drafter), per speculation step, and the loop's verification seconds per step (the target's forward,
+    verification, commit)."""
     cal, m = run.cfg.calibration, run.cfg.method
-    opts = DecodeOptions(Verifier(m.verifier), run.sampling, cal.new_tokens, run.eos)
+    opts = DecodeOptions(Verifier(m.verifier), run.sampling, new_tokens, run.eos)
     if cal.warmup:
         decode(run.target, run.drafter, run.prompts[0], replace(opts, max_new_tokens=8), run.generator)
     stats, draft_s, verify_s, steps = AcceptStats(), 0.0, 0.0, 0
@@ -349,9 +350,13 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     run = _setup(cfg, models, bar)
     setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
     seqs, t_ar = _trajectories(run)
-    loop = cfg.method.drafter in LOOP_DRAFTERS  # its acceptance from the loop, on every calibration prompt
+    # a loop drafter's acceptance: every calibration prompt through the loop, as long as the workload's
+    # generations (Lookahead's window warms up and its pool fills as a generation goes on)
+    loop = cfg.method.drafter in LOOP_DRAFTERS
     ranks = [] if loop else _star_ranks(run, seqs)
-    stats, draft_step, spec_step, verify_step = _depth_run(run, cal.prompts if loop else cal.depth_prompts)
+    n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
+                             else (cal.depth_prompts, cal.new_tokens))
+    stats, draft_step, spec_step, verify_step = _depth_run(run, n_prompts, new_tokens)
     if loop:
         ranks = _loop_ranks(stats, star_depths(run))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
