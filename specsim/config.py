@@ -82,6 +82,12 @@ class MethodConfig:
     # simulator: "ratio" prices a draft step at draft_cost_ratio·t(1); "roofline" uses the draft model's
     # own roofline (model.draft_params, draft_n_layers, draft_hidden_size) on the same hardware
     draft_cost: str = "ratio"
+    # simulator: draft tokens the draft model settles per forward along a tree's levels (Staged SD: the
+    # second stage's tokens per draft forward, > 1); 1 = one draft forward per level
+    draft_tokens_per_forward: float = 1.0
+    # simulator: tokens the verify forward computes beyond the priced tree (Lookahead: its Jacobi branch and
+    # the candidates beyond the one chain τ is priced on), so t(n) is charged for the whole forward
+    verify_extra_tokens: int = 0
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # drafter-specific knobs (gamma for vanilla, ngram sizes for lookup, heads for medusa, …)
     params: dict[str, Any] = field(default_factory=dict)
@@ -242,6 +248,8 @@ RANGES: dict[str, Range] = {
     "warmup": NON_NEGATIVE,
     "method.draft_cost_ratio": NON_NEGATIVE,
     "method.draft_fixed_ratio": NON_NEGATIVE,
+    "method.draft_tokens_per_forward": Range(1),
+    "method.verify_extra_tokens": NON_NEGATIVE,
     "method.acceptance.alpha": Range(0, 1, hi_open=True),  # α = 1 makes k̄ infinite
     "method.acceptance.decay": UNIT,
     "tree.gamma": Range(1, MAX_TREE_NODES - 1),

@@ -137,12 +137,16 @@ class DraftCost:
     """Drafting time per speculation step. Either ρ · t(1) per draft step (``ratio``, Leviathan's c) or
     the draft model's own t_q (``model``; a step over a tree level of w nodes costs t_q(w)). Draft steps:
     one per tree level below the root (a chain of γ drafts takes γ steps) or a single pass (``one_pass``:
-    Medusa heads, MTP). Plus ``fixed_ratio`` · t(1) per step with drafts (drafter bookkeeping)."""
+    Medusa heads, MTP). Plus ``fixed_ratio`` · t(1) per step with drafts (drafter bookkeeping).
+    Staged SD (Spector & Ré 2023) speculates the draft model itself: a second stage proposes, the draft
+    model checks ``tokens_per_forward`` levels per forward on average, so the per-level steps are divided
+    by it (its own lookups go into ``fixed_ratio``)."""
 
     ratio: float = 0.0
     fixed_ratio: float = 0.0
     one_pass: bool = False
     model: TargetCost | None = None
+    tokens_per_forward: float = 1.0
 
     def time(self, tree: Tree, t1: float) -> float:
         if tree.depth == 0:
@@ -152,20 +156,25 @@ class DraftCost:
             steps = self.ratio * t1 * len(widths)
         else:
             steps = float(np.sum(self.model.time(np.asarray(widths))))
-        return steps + self.fixed_ratio * t1
+        return steps / self.tokens_per_forward + self.fixed_ratio * t1
 
     def per_depth(self, t1: float) -> tuple[float, float]:
         """(time per draft step, constant per speculation step) in the form Sequoia's selection uses
         (draft_time · d + target_time); the draft model is charged t_q(1) per step (narrow levels)."""
         step = self.ratio * t1 if self.model is None else float(self.model.time(1))
+        step /= self.tokens_per_forward
         fixed = self.fixed_ratio * t1
         return (0.0, fixed + step) if self.one_pass else (step, fixed)
 
 
 @dataclass(frozen=True)
 class CostModel:
+    """``verify_extra`` tokens ride on every speculation step's verify forward beyond the priced tree
+    (Lookahead's Jacobi branch and further candidates: the forward costs t(tree size + verify_extra))."""
+
     target: TargetCost
     draft: DraftCost
+    verify_extra: int = 0
 
     @classmethod
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None) -> CostModel:
@@ -181,7 +190,9 @@ class CostModel:
             context = cfg.workload.context_tokens
             draft_model = Roofline.from_config(resident, ModelShape.draft(cfg.model), context)
         one = m.draft_steps == "one"
-        return cls(target, DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model))
+        per_forward = m.draft_tokens_per_forward
+        draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
+        return cls(target, draft, m.verify_extra_tokens)
 
     @property
     def ar_time(self) -> float:
@@ -194,8 +205,12 @@ class CostModel:
     def draft_time(self, tree: Tree) -> float:
         return self.draft.time(tree, self.ar_time)
 
+    def verify_tokens(self, tree: Tree) -> int:
+        """Tokens of the verify forward of a speculation step over ``tree`` (the root alone: no extras)."""
+        return tree.size + (self.verify_extra if tree.depth > 0 else 0)
+
     def step_time(self, tree: Tree) -> float:
-        return self.draft_time(tree) + float(self.verify_time(tree.size))
+        return self.draft_time(tree) + float(self.verify_time(self.verify_tokens(tree)))
 
     def speedup(self, tree: Tree, expected: float) -> float:
         """S = k̄ · t_AR / (t_draft + t(tree size))."""

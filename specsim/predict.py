@@ -28,7 +28,7 @@ class Prediction:
     tree_depth: int  # largest node depth, root at 0 (a chain of γ: γ)
     tree_levels: int  # Sequoia's unit: levels including the root
     tree_width: int
-    t_verify_s: float  # t(tree_size)
+    t_verify_s: float  # t(tree_size + method.verify_extra_tokens)
     t_draft_s: float
     t_ar_s: float  # t(1): one autoregressive step
     t_step_s: float
@@ -73,7 +73,7 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
         width = cfg.tree.top_k if kind == TreeKind.dynamic else None
         vector = tuple(float(x) for x in acceptance_vector(model, width))
     tau = expected_tokens(tree, model)
-    t_verify, t_draft = float(cost.verify_time(tree.size)), cost.draft_time(tree)
+    t_verify, t_draft = float(cost.verify_time(cost.verify_tokens(tree))), cost.draft_time(tree)
     return Prediction(
         predicted_tau=tau,
         predicted_speedup=tau * cost.ar_time / (t_verify + t_draft),

@@ -15,6 +15,8 @@ DRAFTERS = MappingProxyType({
     "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
+    "lookahead": "methods.drafters.lookahead:Lookahead",
+    "staged": "methods.drafters.staged:StagedDrafter",
 })
 # Cheap declarations that run.py checks before any work (no drafter class is imported for them):
 # drafters whose draft is a function of the context whatever the verifier (q one-hot, Draft.q = None); the

@@ -153,6 +153,19 @@ def depth_tree(cfg: RunConfig) -> Tree:
     return build_tree(cfg.tree, from_config(cfg.method.acceptance), CostModel.from_config(cfg))
 
 
+def priced_tokens(cfg: RunConfig, tree: Tree) -> int:
+    """Tokens of the loop's verify forward as the simulator prices it (specsim.cost's verify_tokens)."""
+    return tree.size + (cfg.method.verify_extra_tokens if tree.depth > 0 else 0)
+
+
+def loop_forward_tokens(cfg: RunConfig, run: _Run) -> int:
+    """Tokens of the loop's verify forward, after the depth run: what the drafter counted itself
+    (``run_stats()["verify_forward_tokens"]``, Lookahead: both branches, the trie as full as the pool was),
+    else the priced tree."""
+    mean = run.drafter.run_stats().get("verify_forward_tokens") if hasattr(run.drafter, "run_stats") else None
+    return max(run.tree.size, round(mean)) if mean else priced_tokens(cfg, run.tree)
+
+
 def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -> ForwardOut:
     """Logits (and hidden states) at every position of seq (T,), causally, leaving the engine empty."""
     engine.reset()
@@ -180,7 +193,14 @@ def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.T
 
 
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
-LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
+LAWS: dict[str, Law] = {  # drafter name → its law q
+    "draft_model": _draft_model_law,
+    "medusa": _medusa_law,
+    "staged": _draft_model_law,  # the spine's children are the draft model's top-k at the true prefix
+}
+# drafters whose proposals follow the verifications (Lookahead's Jacobi window lives on the target's outputs
+# at its lookahead branch): no star tree can be drawn off-line, their acceptance comes from the real loop
+LOOP_DRAFTERS = frozenset({"lookahead"})
 
 
 def star_depths(run: _Run) -> int:
@@ -269,9 +289,10 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
     return ranks
 
 
-def _spec_opts(run: _Run) -> DecodeOptions:
+def _spec_opts(run: _Run, new_tokens: int | None = None) -> DecodeOptions:
     """The method's own decoding options (its verifier and that verifier's parameters, e.g. typical's)."""
-    return DecodeOptions.for_method(run.cfg.method, run.sampling, run.cfg.calibration.new_tokens, run.eos)
+    new = run.cfg.calibration.new_tokens if new_tokens is None else new_tokens
+    return DecodeOptions.for_method(run.cfg.method, run.sampling, new, run.eos)
 
 
 def _ar_opts(run: _Run) -> DecodeOptions:
@@ -280,11 +301,25 @@ def _ar_opts(run: _Run) -> DecodeOptions:
                          run.eos)
 
 
-def _depth_run(run: _Run) -> AcceptStats:
-    """The drafter's chain/tree through the real loop: its acceptance stats (α_d, by rank)."""
+def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
+    """A loop drafter's acceptance as a chain's star ranks: at depth d, of the steps that accepted d-1
+    drafts, one rank-0 acceptance per step that accepted a d-th, None per step that did not — the ratio
+    P(≥ d accepted) / P(≥ d-1) of the loop's histogram, so that a chain of ``depths`` predicts the loop's τ
+    (Lookahead: τ from the measured acceptance of its verification branch, whatever its trie's shape)."""
+    hist = stats.hist  # hist[k]: steps that accepted k drafts
+    out = []
+    for d in range(1, depths + 1):
+        reached, accepted = sum(hist[d - 1 :]), sum(hist[d:])
+        out.append([0] * accepted + [None] * (reached - accepted))
+    return out
+
+
+def _depth_run(run: _Run, n_prompts: int, new_tokens: int) -> AcceptStats:
+    """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
+    acceptance stats (α_d, by rank)."""
     stats = AcceptStats()
-    for ids in run.prompts[: run.cfg.calibration.depth_prompts]:
-        stats.merge(decode(run.target, run.drafter, ids, _spec_opts(run), run.generator).stats)
+    for ids in run.prompts[:n_prompts]:
+        stats.merge(decode(run.target, run.drafter, ids, _spec_opts(run, new_tokens), run.generator).stats)
         run.bar.update()
     return stats
 
@@ -348,6 +383,7 @@ class _Measured:
     attempts: list[dict[str, float]]  # dispersion of every timing attempt (the last one is ``table``'s)
     context: int
     setup_s: float
+    forward_tokens: int  # mean tokens of the loop's verify forward (loop_forward_tokens)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -369,14 +405,22 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     run = _setup(cfg, models, bar)
     setup_s = time.perf_counter() - start  # loading (and, Medusa, training heads on first use)
     seqs = _trajectories(run)
-    ranks = _star_ranks(run, seqs)
-    stats = _depth_run(run)
+    # a loop drafter's acceptance: every calibration prompt through the loop, as long as the workload's
+    # generations (Lookahead's window warms up and its pool fills as a generation goes on)
+    loop = cfg.method.drafter in LOOP_DRAFTERS
+    ranks = [] if loop else _star_ranks(run, seqs)
+    n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
+                             else (cal.depth_prompts, cal.new_tokens))
+    stats = _depth_run(run, n_prompts, new_tokens)
+    if loop:
+        ranks = _loop_ranks(stats, star_depths(run))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    sizes = sorted({1, run.tree.size, *(int(b) for b in cfg.tree.budgets)})  # the loop's tree: its overhead
+    forward = loop_forward_tokens(cfg, run)  # the loop's verify forward: t(n) for its overhead
+    sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
-    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s)
+    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -389,6 +433,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
+        "loop_verify_forward_tokens": m.forward_tokens,
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
@@ -402,7 +447,9 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
     """Calibrate ``cfg``'s drafter against its target on this device (see the module docstring)."""
     start, cal, load = time.perf_counter(), cfg.calibration, os.getloadavg()[0]
     models = models or load_models(cfg.model, cfg.device, cfg.model.dtype)
-    bar = tqdm(total=2 * cal.prompts + cal.depth_prompts + 1, desc=f"calibrate {cfg.method.drafter}",
+    loop = cfg.method.drafter in LOOP_DRAFTERS  # no star trees; every prompt through the loop
+    total = 2 * cal.prompts + 1 if loop else 2 * cal.prompts + cal.depth_prompts + 1
+    bar = tqdm(total=total, desc=f"calibrate {cfg.method.drafter}",
                disable=not show_progress)
     with bar:
         run, m = _measure(cfg, models, bar)
@@ -418,7 +465,7 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
         if len(m.ranks) > 1 else (),
         acceptance_by_depth=tuple(m.stats.by_depth()),
         t_ar_s=m.table.t1_s, t_n_ratios=m.table.t_n_ratios, draft_ratio=m.table.draft_ratio,
-        verify_overhead_ratio=m.table.verify_overhead_ratio(run.tree.size),
+        verify_overhead_ratio=m.table.verify_overhead_ratio(m.forward_tokens if run.tree.size > 1 else 1),
         timing_dispersion=m.table.dispersion,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,

@@ -129,6 +129,8 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
+    if hasattr(drafter, "run_stats"):  # a drafter's own figures (Staged SD: draft forwards per step)
+        metrics.update(drafter.run_stats())
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)

@@ -301,6 +301,10 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") 
     m = out.method
     ratio = profile.draft_time_s / float(to_measured_cost(profile).time(1))  # the simulator's t_AR units
     m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (calibrate)
+    m.draft_tokens_per_forward = 1.0  # ... with a second stage's savings in it (Staged SD)
+    forward = profile.extra.get("loop_verify_forward_tokens")
+    if forward and m.verify_extra_tokens:  # Lookahead: the forward the loop measured, not the full-pool bound
+        m.verify_extra_tokens = max(0, int(forward) - int(profile.extra["loop_tree_size"]))
     if m.draft_steps == "depth":
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:

@@ -14,6 +14,7 @@ import torch
 
 import methods.measurement.calibrate as calibrate_module
 import methods.measurement.cost_table as cost_table_module
+from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams
 from methods.measurement.calibrate import (
     Star,
@@ -360,3 +361,33 @@ def test_prompt_lookup_profile_has_vectors_per_depth(run_config, tiny_models, ca
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
+
+
+def test_loop_ranks_reproduce_the_loops_tau():
+    """A loop drafter's chain vectors: a chain of the tree's depth under them predicts the loop's τ."""
+    stats = AcceptStats(steps=10, hist=[4, 3, 2, 1])  # 4 steps accepted 0 drafts, 3 one, ...
+    ranks = calibrate_module._loop_ranks(stats, 4)
+    assert [len(r) for r in ranks] == [10, 6, 3, 1]
+    assert [r.count(0) for r in ranks] == [6, 3, 1, 0]
+    alphas = [r.count(0) / len(r) for r in ranks]
+    assert 1 + sum(np.cumprod(alphas)) == pytest.approx(stats.tau)
+
+
+def test_lookahead_profile_comes_from_the_loop(run_config, tiny_models, cache):
+    over = ("method=lookahead", "method.params.window=3", "method.params.guess_set=2",
+            "method.params.level=3", "method.verify_extra_tokens=7")  # 2 + 3 + 2: (W-1) + (N-2)W + (G-1)(N-1)
+    prof = measure_profile(run_config(*SMALL, *over), tiny_models, show_progress=False)
+    assert prof.extra["loop_steps"] > 0 and 1 <= len(prof.acceptance_vectors_by_depth) <= 2
+    for v in prof.acceptance_vectors_by_depth:
+        _valid_vector(v, 8)
+        assert list(v[2:-1]) == [0.0] * 7  # a chain's vector: rank 0 or none
+    forward = prof.extra["loop_verify_forward_tokens"]
+    assert 3 <= forward <= 3 + 7 and forward in prof.t_n
+
+
+def test_staged_profile_uses_the_draft_models_law(run_config, tiny_models, cache):
+    prof = measure_profile(run_config(*SMALL, "method=staged", "tree.gamma=3"), tiny_models,
+                           show_progress=False)
+    assert prof.acceptance_vectors_by_depth == ()  # one positional vector, as the draft model's
+    _valid_vector(prof.acceptance_vector, 8)
+    assert prof.draft_time_s > 0

@@ -28,8 +28,14 @@ TREES = {
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
 TREE_DRAFTERS = {"draft_model", "medusa"}
 Q_DRAFTERS = {"draft_model"}
-TEST_PARAMS = {"medusa": {"heads": "random", "num_heads": 4}}
-MULTI_TOKEN = {"draft_model", "prompt_lookup"}  # must produce multi-token blocks in the EOS test
+TEST_PARAMS = {
+    "medusa": {"heads": "random", "num_heads": 4},
+    "lookahead": {"level": 4, "window": 3, "guess_set": 3},  # small: every warm-up/full-window path runs
+    "staged": {"stage2": "ngram", "stage2_gamma": 3, "order": 1},
+}
+METHOD_FIELDS = {"lookahead": {"verify_extra_tokens": 2 + 2 * 3 + 2 * 3}}  # (W-1) + (N-2)W + (G-1)(N-1)
+MULTI_TOKEN = {"draft_model", "prompt_lookup", "lookahead"}  # must produce multi-token blocks in the EOS test
+DRAFT_MODEL = {"draft_model", "staged"}  # use the self-draft (the target as q) in the EOS test
 LENGTHS = (1, 6, 24)  # every boundary inside a block: test_max_new_tokens_cuts_a_fully_accepted_block
 
 
@@ -48,7 +54,8 @@ def cases() -> list[tuple[str, str, Verifier]]:
 
 
 def method(name: str, verifier: Verifier) -> MethodConfig:
-    return MethodConfig(name=name, drafter=name, verifier=verifier, params=dict(TEST_PARAMS.get(name, {})))
+    return MethodConfig(name=name, drafter=name, verifier=verifier, params=dict(TEST_PARAMS.get(name, {})),
+                        **METHOD_FIELDS.get(name, {}))
 
 
 def prompts() -> dict[str, torch.Tensor]:
@@ -104,7 +111,7 @@ def test_eos_inside_an_accepted_block(tiny_models, self_draft, name):
     """EOS = a token first emitted inside a multi-token block: decoding stops right after it. Prompts are the
     "random" prompt extended by k tokens of its own greedy continuation (same continuation, shifted), so
     that repeats in it give n-gram drafts something to copy."""
-    models = self_draft if name == "draft_model" else tiny_models
+    models = self_draft if name in DRAFT_MODEL else tiny_models
     drafter = build_drafter(method(name, Verifier.greedy), TREES["chain3"], models, GREEDY)
     engine = ModelEngine(tiny_models.target)
     g = torch.Generator().manual_seed(2)

@@ -119,3 +119,26 @@ def test_cost_model_from_config_prices_the_draft_model_on_its_roofline():
     assert ratio.draft_time(chain) == pytest.approx(4 * 0.05 * ratio.ar_time)
     measured = CostModel.from_config(cfg, profile=FLAT)
     assert measured.ar_time == 1.0 and measured.target.source == "measured"
+
+
+def test_staged_second_stage_divides_the_draft_steps():
+    """Staged SD: the draft model settles tokens_per_forward levels per forward; its lookups stay fixed."""
+    chain, t1 = Tree.chain(4), 2.0
+    plain = DraftCost(ratio=0.1, fixed_ratio=0.02)
+    staged = DraftCost(ratio=0.1, fixed_ratio=0.02, tokens_per_forward=2.0)
+    assert plain.time(chain, t1) == pytest.approx(4 * 0.1 * t1 + 0.02 * t1)
+    assert staged.time(chain, t1) == pytest.approx(2 * 0.1 * t1 + 0.02 * t1)
+    assert staged.per_depth(t1) == pytest.approx((0.1, 0.04))
+    cfg = RunConfig(method=MethodConfig(name="staged", draft_cost_ratio=0.1, draft_tokens_per_forward=2.0))
+    assert CostModel.from_config(cfg, profile=FLAT).draft_time(chain) == pytest.approx(0.2)
+
+
+def test_lookahead_verify_forward_carries_the_extra_tokens():
+    """Lookahead: τ is priced on a chain, the verify forward on the chain plus the extra tokens; the root
+    alone (nothing drafted) carries none."""
+    linear = MeasuredCost((1, 100), (1.0, 100.0))  # t(n) = n
+    cfg = RunConfig(method=MethodConfig(name="lookahead", verify_extra_tokens=51))
+    cost = CostModel.from_config(cfg, profile=linear)
+    assert cost.verify_tokens(Tree.chain(4)) == 56 and cost.verify_tokens(Tree.chain(0)) == 1
+    assert cost.step_time(Tree.chain(4)) == pytest.approx(56.0)
+    assert cost.speedup(Tree.chain(4), 2.0) == pytest.approx(2.0 / 56.0)
