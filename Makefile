@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: venv run test test-fast lint clean vllm
+.PHONY: venv run test test-fast lint notebooks clean vllm
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# JupyterLab (the `notebook` extra, installed once into the venv) opened on notebooks/; ARGS go to jupyter lab
+notebooks: $(VENV)/.notebook
+	$(PY) -m jupyterlab --notebook-dir=notebooks $(ARGS)
+$(VENV)/.notebook: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev,notebook]'
+	touch $@
 
 lint: venv
 	$(PY) -m ruff check specsim methods analysis tests run.py benchmarks

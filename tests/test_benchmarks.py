@@ -1,6 +1,8 @@
-"""Smoke test of benchmarks/vs_transformers.py (specsim vs transformers' generate, assisted generation and
-prompt lookup): one prompt, a few tokens, one repetition on the random tiny Llama pair in float32, where every
-lossless path must reproduce HF greedy exactly. Timings are not asserted (a shared machine)."""
+"""Smoke test of benchmarks/vs_transformers.py (specsim vs transformers' generate — plain, static cache,
+torch.compile —, assisted generation with its default and a constant schedule, and prompt lookup): one prompt,
+a few tokens, one repetition on the random tiny Llama pair in float32, where every lossless path must
+reproduce HF greedy exactly; plus its helpers (benchmarks/hf_configs.py, candidates.py, physical_limit.py).
+Timings are not asserted (a shared machine)."""
 
 from __future__ import annotations
 
@@ -11,17 +13,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "vs_transformers.py"
-RATIOS = ("ar_vs_hf_greedy", "vanilla_vs_hf_assisted", "pld_vs_hf_pld", "best_vs_hf_greedy")
+RATIOS = ("ar_vs_hf_greedy", "vanilla_vs_hf_assisted", "pld_vs_hf_pld", "best_vs_hf_greedy",
+          "best_vs_hf_fastest")
+HF_PATHS = ("hf greedy", "hf greedy static", "hf greedy static+compile", "hf greedy compiled forward",
+            "hf greedy static+compiled forward", "hf assisted chain g=4", "hf assisted default (heuristic)",
+            "hf prompt_lookup g=10 n<=3")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> tuple[dict, str]:
     args = ["--model", "random_tiny", "--workload", "code", "--num-prompts", "1", "--max-new-tokens", "12",
             "--reps", "1", "--dtype", "float32", "--chain-gammas", "2", "--pld-gammas", "4",
-            "--sequoia-budgets", "6", "--calibration-prompts", "1", "--medusa", "off"]
+            "--sequoia-budgets", "6", "--calibration-prompts", "1", "--medusa", "off", "--hf-compile", "all",
+            "--dram-mib", "8"]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path_factory.mktemp("bench"),
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"}, capture_output=True, text=True,
                           timeout=900)
@@ -39,6 +47,41 @@ def test_last_line_is_the_json_summary_with_the_ratios(result):
         assert summary[key] > 0, (key, summary[key])
     assert summary["dtype"] == "float32" and summary["num_prompts"] == 1
     assert set(summary["targets_met"]) == set(RATIOS)
+    # every HF greedy configuration works on this CPU; transformers refuses assisted generation with a static
+    # cache, and the benchmark says so with the error instead of failing
+    assert list(summary["hf_failed"]) == ["hf assisted chain g=4 static"], summary["hf_failed"]
+    assert "not supported with Static cache" in summary["hf_failed"]["hf assisted chain g=4 static"]
+
+
+@pytest.mark.slow
+def test_hf_configurations_are_all_timed_and_the_fastest_is_one_of_them(result):
+    summary, _ = result
+    hf = [n for n in summary["tokens_per_s"] if n.startswith("hf")]
+    assert hf == list(HF_PATHS)
+    assert list(summary["hf_vs_hf_greedy"]) == hf and summary["hf_vs_hf_greedy"]["hf greedy"] == 1.0
+    assert summary["hf_fastest"] in hf
+    fastest = max(hf, key=summary["tokens_per_s"].get)
+    assert summary["hf_fastest"] == fastest
+    assert summary["hf_assisted_default_vs_constant"] > 0
+    # every HF greedy variant takes one target forward per token, as plain HF greedy
+    for name in HF_PATHS[:5]:
+        assert summary["tau"][name] == 1.0, name
+
+
+@pytest.mark.slow
+def test_physical_limit_line(result):
+    summary, stdout = result
+    limit = summary["physical_limit"]
+    assert limit["weight_bytes"] > 0 and limit["dram_test_bytes"] == 8 << 20
+    for clock in ("cpu", "wall"):
+        one = limit[clock]
+        read = one["bandwidth_at_weights_size_GBps"]["read_GBps"]
+        assert read > 0 and one["bandwidth_dram_GBps"]["read_GBps"] > 0 and one["t1_ms"] > 0
+        stream = limit["weight_bytes"] / (read * 1e9) * 1e3
+        assert one["t_stream_ms"]["weights_size"] == pytest.approx(stream, rel=1e-2, abs=1e-4)
+        assert one["t1_over_stream"]["weights_size"] == pytest.approx(one["t1_ms"] / stream, rel=2e-2)
+    assert "physical limit: the target's weights" in stdout
+    assert "hf assisted chain g=4 static" in stdout and "FAILED: ValueError" in stdout
 
 
 @pytest.mark.slow
@@ -62,3 +105,70 @@ def test_table_lists_every_path_and_the_best_is_a_timed_one(result):
     assert summary["best_method"] in {n.removeprefix("best? ") for n in names}
     # autoregressive decoding takes one target forward per token; HF greedy too (counted with a hook)
     assert summary["tau"]["specsim autoregressive"] == 1.0 and summary["tau"]["hf greedy"] == 1.0
+
+
+# ---- the helpers, without a subprocess ---------------------------------------------------------------------
+def _tiny_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_skips_the_gathered_embedding_table_unless_tied(tied):
+    from benchmarks.physical_limit import weight_bytes
+
+    model = _tiny_llama(tied)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied ones
+    table = model.get_input_embeddings().weight
+    expected = every if tied else every - table.numel() * table.element_size()
+    assert weight_bytes(model) == expected
+    assert weight_bytes(model.to(torch.bfloat16)) == expected // 2
+
+
+def test_assistant_settings_are_per_path_and_the_heuristic_gamma_persists_in_its_own_state():
+    from types import SimpleNamespace
+
+    from benchmarks.hf_configs import ASSISTANT_KEYS, _swapped
+
+    gc = SimpleNamespace(**dict.fromkeys(ASSISTANT_KEYS))
+    draft = SimpleNamespace(generation_config=gc)
+    heuristic = dict.fromkeys(ASSISTANT_KEYS)  # transformers' defaults
+    constant = {"num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0}
+    with _swapped(draft, heuristic):
+        assert gc.num_assistant_tokens is None
+        gc.num_assistant_tokens = 23  # what transformers' heuristic schedule leaves on q after a call
+    assert gc.num_assistant_tokens is None and heuristic["num_assistant_tokens"] == 23
+    with _swapped(draft, constant):
+        assert (gc.num_assistant_tokens, gc.num_assistant_tokens_schedule) == (4, "constant")
+    with _swapped(draft, heuristic):
+        assert gc.num_assistant_tokens == 23  # the heuristic path resumes from its own γ
+    assert vars(gc) == dict.fromkeys(ASSISTANT_KEYS)
+
+
+def test_a_failing_hf_configuration_is_reported_and_the_others_run():
+    from benchmarks.hf_configs import HF_GREEDY, HFConfig, working_paths
+    from methods.models import load_models
+    from run import compose_run_config
+
+    models = load_models(compose_run_config("model=random_tiny").model, "cpu", "float32")
+    configs = [HFConfig(HF_GREEDY), HFConfig("broken", {"cache_implementation": "no_such_cache"}),
+               HFConfig(f"{HF_GREEDY} static", {"cache_implementation": "static"})]
+    paths, failed = working_paths(configs, models, 4, torch.tensor([5, 6, 7]))
+    assert [p.name for p in paths] == [HF_GREEDY, f"{HF_GREEDY} static"] and all(p.hf for p in paths)
+    assert list(failed) == ["broken"] and "no_such_cache" in failed["broken"]
+    assert len(paths[1].run(torch.tensor([5, 6, 7])).tokens) == 4
+
+
+def test_every_registered_drafter_competes_for_best():
+    """A drafter enters the race through its factory or, by default, through its lossless presets."""
+    from benchmarks.candidates import FACTORIES, lossless_presets
+    from methods.drafters.registry import names
+
+    for drafter in names():
+        assert drafter in FACTORIES or lossless_presets(drafter), drafter
+    assert "medusa_typical" not in lossless_presets("medusa")  # typical acceptance is lossy
+    assert {"vanilla", "specinfer", "sequoia"} <= set(lossless_presets("draft_model"))

@@ -1,5 +1,9 @@
 """The notebooks are stored without outputs and execute top to bottom on fabricated sweeps (nbclient,
-kernel python3), writing their figures and tables where the environment variables point."""
+kernel python3), writing their figures and tables where the environment variables point.
+
+Every notebook in notebooks/ (a glob: a new one is picked up without editing this file) is checked for its
+stored form here and executed top to bottom by tests/test_notebooks.py; the two analysis notebooks are also
+executed here on fabricated sweeps whose numbers their outputs must show."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-NAMES = ("02_sweep_analysis.ipynb", "03_paper_tables.ipynb")
+ALL = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+NAMES = ("02_sweep_analysis.ipynb", "03_paper_tables.ipynb")  # the content checks below
 ENV = ("SPECSIM_SWEEP_DIR", "SPECSIM_FIGURES_DIR", "SPECSIM_LEVIATHAN_DIR", "SPECSIM_SEQUOIA_DIR",
        "SPECSIM_SPECBENCH_DIR", "SPECSIM_MULTIRUN_DIR", "SPECSIM_TABLES_DIR")
 
@@ -32,7 +37,11 @@ def _execute(name: str, monkeypatch: pytest.MonkeyPatch, **env: str) -> str:
     return "\n".join(texts)
 
 
-@pytest.mark.parametrize("name", NAMES)
+def test_the_glob_finds_the_notebooks_with_content_checks():
+    assert set(NAMES) <= set(ALL), (NAMES, ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_notebook_is_stored_without_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
