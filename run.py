@@ -3,10 +3,10 @@
 The only Hydra-aware module (layering: specsim ← methods ← run.py). The dataclass schemas of
 specsim.config are registered in Hydra's ConfigStore, so every yaml preset extends one and a typo, an
 unknown key or a wrong type fails at compose time; ranges are checked by specsim.config.validate.
-    python run.py                                   # simulate the default config (method=vanilla, tree=chain)
+    python run.py                                   # measure the default (method=vanilla, tree=chain, zoo)
     python run.py task=simulate method=medusa tree=sequoia hardware=a100
     python run.py -m method=vanilla,medusa workload=code,grounded hydra/launcher=parallel
-Outputs (contract in DESIGN.md): metrics.json (+ samples.jsonl for measure) in the Hydra run dir.
+Outputs (contract in docs/architecture.md): metrics.json (+ samples.jsonl for measure) in the Hydra run dir.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ SAMPLES = "samples.jsonl"
 FAILED = "failed.json"
 HYDRA_DIR = ".hydra"
 SWEEP_MARKER = "multirun.yaml"
-# keys every metrics.json carries (DESIGN.md, run-output contract); a file without them is not a result
+# keys every metrics.json carries (the run-output contract, docs/architecture.md); without them: not a result
 REQUIRED_KEYS = ("task", "method", "tree", "hardware", "workload", "model", "seed")
 
 

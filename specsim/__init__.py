@@ -1,6 +1,6 @@
 """specsim: an analytical simulator of speculative decoding (p = target, q = draft), pure NumPy/SciPy.
 
-Public API (DESIGN.md "Contracts"): ``Tree``, ``chain_expected_tokens``, ``expected_tokens``, the
+Public API (docs/architecture.md, "Contracts"): ``Tree``, ``chain_expected_tokens``, ``expected_tokens``, the
 ``sequoia`` submodule (``optimal_tree``, ``select``), acceptance models, cost models and ``simulate``.
 """
 

@@ -147,3 +147,17 @@ def test_no_import_cycle_between_modules():
     for node in graph:
         if not state.get(node):
             visit(node, [])
+
+
+def test_the_repository_explains_itself():
+    """No file cites documents outside the repository (the old design notes, the workplace's shared folder):
+    docs/architecture.md holds the architecture and contracts."""
+    skip = {".git", ".venv", ".venv-vllm", "outputs", "multirun", "__pycache__"}
+    suffixes = {".py", ".md", ".yaml", ".ipynb", ".toml", ".cfg", ".txt"}
+    files = [p for p in REPO.rglob("*") if p.is_file() and p.suffix in suffixes
+             and not skip & set(p.relative_to(REPO).parts)]
+    assert (REPO / "docs" / "architecture.md").is_file()
+    cited = [str(p.relative_to(REPO)) for p in files
+             if p.name != "test_layering.py" and re.search(r"DESIGN\.md|\.\./shared|shared/reference", p.read_text(
+                 encoding="utf-8", errors="replace"))]
+    assert not cited, f"files citing documents outside the repository: {cited}"

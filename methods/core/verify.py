@@ -62,7 +62,7 @@ def _renorm(x: Tensor, fallback: Tensor) -> Tensor:
     return torch.where(ok, x / torch.where(ok, m, 1.0), fallback)
 
 
-# ---- chain: the DESIGN.md contract --------------------------------------------------------------------
+# ---- chain: the contract of docs/architecture.md ---------------------------------------------------
 def chain_rejection(p: Tensor, q: Tensor, draft_tokens: Tensor, generator: Source) -> tuple[int, int]:
     """Leviathan Alg. 1 with the bonus token. p: (γ+1, V) target probs, q: (γ, V) draft probs, draft_tokens:
     (γ,) long, x_i drawn from q[i]. Accept x_i with probability min(1, p_i(x_i)/q_i(x_i)), left to right; at

@@ -3,7 +3,8 @@
 Loads target p / draft q and the workload's prompts, builds the run's tree (the simulator's own construction,
 so the prediction is for exactly the tree decoded with), warms up, then for every prompt decodes with the
 autoregressive baseline and with the method through the same loop and timers (interleaved, so slow drifts of
-a shared machine hit both). Metrics follow DESIGN.md's contract; tau counts the bonus token.
+a shared machine hit both). Metrics follow the run-output contract (docs/architecture.md); tau counts the
+bonus token.
 
 Every drafter's run also reads (or calibrates once, cached) its measured profile on this device
 (methods.measurement.profiles): ``predicted_*`` are then the simulator's figures for the decoded tree under
@@ -168,8 +169,9 @@ def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> 
 
 
 def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[dict]) -> dict[str, Any]:
-    """DESIGN.md's measured quantities. greedy_equal_rate: share of prompts whose output equals the
-    baseline's (1.0 expected for lossless methods at temperature 0 in float32)."""
+    """The run-output contract's measured quantities (docs/architecture.md). greedy_equal_rate: share of
+    prompts whose output equals the baseline's (1.0 expected for lossless methods at temperature 0 in
+    float32)."""
     return {
         "tau": stats.tau,
         "tokens_per_s": method.tokens_per_s,

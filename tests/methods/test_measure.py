@@ -1,4 +1,5 @@
-"""task=measure on model=random_tiny: DESIGN.md's metrics contract, the baseline in the same run, samples."""
+"""task=measure on model=random_tiny: the metrics contract (docs/architecture.md), the baseline in the
+same run, samples."""
 
 from __future__ import annotations
 

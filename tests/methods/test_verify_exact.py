@@ -267,7 +267,8 @@ def _setup(data, mode: str, chain: bool = False, **world_kw) -> tuple[World, Tre
 @SETTINGS
 @given(data=st.data())
 def test_chain_rejection_contract_is_exact(data):
-    """DESIGN.md's chain_rejection: fixed rows p (γ+1, V), q (γ, V); x_i ~ q[i]; position i follows p[i]."""
+    """chain_rejection (docs/architecture.md): fixed rows p (γ+1, V), q (γ, V); x_i ~ q[i]; position i
+    follows p[i]."""
     V = data.draw(st.integers(2, 4))
     world = World(data, V, positional=True)
     gamma = data.draw(st.integers(0, _BUDGET[V]))

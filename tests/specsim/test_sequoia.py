@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import specsim
 from specsim import Tree, expected_tokens, sequoia
 
-DEMO = Path(__file__).parent / "data" / "sequoia_demo.json"  # copy of shared/reference/sequoia/demo.json
+# Sequoia's published demo: its acceptance vector, configuration and the tree its optimiser chose
+DEMO = Path(__file__).parent / "data" / "sequoia_demo.json"
 MAX_M, MAX_L = 8, 5
 
 
