@@ -115,7 +115,8 @@ def _start(
 def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft:
     draft = limit_depth(drafter.propose(ctx), ctx.max_new)
     if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
-        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable)
+        draws = None if draft.draws is None else draft.draws.to(device)
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable, draws)
     return draft
 
 
@@ -138,7 +139,8 @@ def verification_draft(draft: Draft) -> Draft:
     n = draft.verifiable
     if n == draft.tree.size:
         return draft
-    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    keep = list(range(n))
+    return draft.select(subtree(draft.tree, keep), keep)
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
@@ -157,9 +159,8 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     if tree.size <= max_depth + 1 or tree.depth <= max_depth:  # size first: Tree.depth is not memoised
         return draft
     keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
-    idx = torch.tensor(keep, device=draft.tokens.device)
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
-    return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx], n_ver)
+    return draft.select(subtree(tree, keep), keep, n_ver)
 
 
 def subtree(tree: Tree, keep: list[int]) -> Tree:
