@@ -143,7 +143,7 @@ class ModelConfig:
 class WorkloadConfig:
     name: str = "code"
     split: str = "test"  # train | calibration | test
-    kind: str = "code"  # code | prose | grounded | mixed
+    kind: str = "code"  # code | prose | grounded | mixed | stream (code requests in sequence, none repeated)
     num_prompts: int = 8
     prompt_tokens: int = 128
     max_new_tokens: int = 64
@@ -224,7 +224,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(w.temperature >= 0, "workload.temperature", f"must be >= 0, got {w.temperature}")
     _check(w.top_k >= 0, "workload.top_k", f"must be >= 0 (0 = off), got {w.top_k}")
     _choice(w.split, "workload.split", ("train", "calibration", "test"))
-    _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed"))
+    _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed", "stream"))
     _choice(m.source, "model.source", ("zoo", "random", "hub", "local"))
     _choice(cfg.model.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
     _check(cfg.threads >= 0, "threads", f"must be >= 0 (0 = torch's default), got {cfg.threads}")

@@ -135,7 +135,9 @@ class StepFeedback:
 @runtime_checkable
 class Drafter(Protocol):
     """Optional class attribute ``feature_layers: tuple[int, ...]`` (default ()): decoder layers whose
-    outputs the drafter reads in ``DraftContext.features``."""
+    outputs the drafter reads in ``DraftContext.features``. Optional attribute ``offline_seconds: float``:
+    cumulative seconds the drafter spent on work between requests (Online SD's distillation, run in
+    ``reset``); the loop leaves them out of its timers and reports them as ``time_offline_s``."""
 
     needs_hidden_states: bool
 

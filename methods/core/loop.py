@@ -42,6 +42,7 @@ class DecodeResult:
     time_total_s: float  # the whole decode, prefill included
     stop: str  # "eos" | "length"
     time_prefill_s: float = 0.0  # the prompt's prefill (target, and the drafter's reset: a draft model's own)
+    time_offline_s: float = 0.0  # the drafter's work between requests (Drafter.offline_seconds), in no timer
 
 
 @torch.inference_mode()
@@ -56,9 +57,14 @@ def decode(
     want_hidden = bool(getattr(drafter, "needs_hidden_states", False))
     layers = tuple(getattr(drafter, "feature_layers", ()))
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    offline = getattr(drafter, "offline_seconds", 0.0)
     tokens, hidden, features = _start(target, drafter, prompt, max_new, (want_hidden, layers))
     sync()
-    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start)
+    # work between requests (in reset) is no decoding work: out of the prefill and total times
+    offline = getattr(drafter, "offline_seconds", 0.0) - offline
+    t_start += offline
+    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start,
+                       offline)
     t, end = n_prompt, n_prompt + max_new
     while t < end:
         t0 = time.perf_counter()

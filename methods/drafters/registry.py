@@ -12,9 +12,11 @@ from specsim.tree import Tree
 
 DRAFTERS = MappingProxyType({
     "autoregressive": "methods.drafters.autoregressive:Autoregressive",
-    "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
+    "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
+    "specinfer": "methods.drafters.specinfer:SpecInferDrafter",  # several drafts, one merged tree
+    "online": "methods.drafters.online:OnlineDrafter",  # the draft distilled on the target while serving
 })
 
 

@@ -26,9 +26,14 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa"}
-Q_DRAFTERS = {"draft_model"}
-TEST_PARAMS = {"medusa": {"heads": "random", "num_heads": 4}}
+TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online"}
+_SAMPLED = [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
+Q_DRAFTERS = {"draft_model": _SAMPLED, "online": _SAMPLED, "specinfer": [Verifier.specinfer]}
+TEST_PARAMS = {
+    "medusa": {"heads": "random", "num_heads": 4},
+    "specinfer": {"source": "copies", "drafts": 3},  # the draft and two perturbed copies, merged
+    "online": {"update_every": 2, "steps": 1},  # learns between the test's decodes: must stay lossless
+}
 MULTI_TOKEN = {"draft_model", "prompt_lookup"}  # must produce multi-token blocks in the EOS test
 LENGTHS = (1, 6, 24)  # every boundary inside a block: test_max_new_tokens_cuts_a_fully_accepted_block
 
@@ -38,8 +43,7 @@ def cases() -> list[tuple[str, str, Verifier]]:
     for name in names():
         trees = TREES if name in TREE_DRAFTERS else {"chain3": TREES["chain3"]}
         verifiers = [Verifier.greedy, Verifier.deterministic]
-        if name in Q_DRAFTERS:
-            verifiers += [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
+        verifiers += Q_DRAFTERS.get(name, [])
         for tree_name, tree in trees.items():
             for v in verifiers:
                 if v != Verifier.chain or tree.width <= 1:
