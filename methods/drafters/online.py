@@ -70,6 +70,7 @@ class OnlineDrafter:
         self._current: _Request | None = None
         self._root_index = 0
         self._opt: torch.optim.Optimizer | None = None
+        self._master = None  # fp32 copy of the draft that training updates
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -77,7 +78,8 @@ class OnlineDrafter:
         known = set(OnlineConfig.__dataclass_fields__)
         unknown = set(method.params) - known
         if unknown:
-            raise ValueError(f"method.params: unknown online keys {sorted(unknown)}; allowed: {sorted(known)}")
+            raise ValueError(f"method.params: unknown online keys {sorted(unknown)}; "
+                             f"allowed: {sorted(known)}")
         cfg = OnlineConfig(**method.params)
         if models.draft is None:
             raise ValueError("online needs a draft model (model.draft_n_layers > 0)")
@@ -109,7 +111,12 @@ class OnlineDrafter:
             return
         t0 = time.perf_counter()
         with torch.inference_mode(False), torch.enable_grad():
-            losses = distill(self.model, self._buffer, self.cfg, self._optimizer())
+            if self._master is None:  # fp32 weights to train (a bf16 model would lose small updates)
+                self._master = copy.deepcopy(self.model).float()
+            losses = distill(self._master, self._buffer, self.cfg, self._optimizer())
+            with torch.no_grad():  # in place: the draft engine sees the new weights (version counters)
+                for mine, master in zip(self.model.parameters(), self._master.parameters()):
+                    mine.copy_(master)
         seconds = time.perf_counter() - t0
         self.offline_seconds += seconds
         self.updates.append({"after_request": self.requests, "positions": sum(len(r.positions)
@@ -120,7 +127,7 @@ class OnlineDrafter:
     def _optimizer(self) -> torch.optim.Optimizer:
         if self._opt is None:  # kept across updates: the draft keeps learning as one run
             with torch.inference_mode(False):
-                self._opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.learning_rate,
+                self._opt = torch.optim.AdamW(self._master.parameters(), lr=self.cfg.learning_rate,
                                               weight_decay=0.0)
         return self._opt
 
@@ -149,7 +156,7 @@ class OnlineDrafter:
 
 
 def distill(model, buffer: list[_Request], cfg: OnlineConfig, opt: torch.optim.Optimizer) -> list[float]:
-    """``cfg.steps`` passes over the buffer, one optimiser step per request; returns the mean loss per pass."""
+    """``cfg.steps`` passes over the buffer, one optimiser step per request; the mean loss of each pass."""
     model.train()
     data = [(r.tokens.clone(), torch.tensor(r.positions), torch.stack(r.logits).clone()) for r in buffer]
     out = []
@@ -157,7 +164,7 @@ def distill(model, buffer: list[_Request], cfg: OnlineConfig, opt: torch.optim.O
         total = 0.0
         for ids, pos, p_logits in data:
             n = int(pos.max()) + 1
-            q_logits = model(input_ids=ids[None, :n].to(model.device)).logits[0, pos].float()  # (P, V)
+            q_logits = model(input_ids=ids[None, :n].to(model.device)).logits[0, pos]  # (P, V)
             loss = divergence(p_logits.to(q_logits.device), q_logits, cfg.loss)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -132,7 +132,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     metrics.update(_per_request(samples))
     updates = getattr(drafter, "updates", None)  # a drafter that learns while serving: its updates' record
     if updates is not None:
-        metrics["drafter_updates"] = list(updates)
+        # counted in measured requests (the drafter also counted the warm-up's)
+        metrics["drafter_updates"] = [dict(u, after_measured_request=u["after_request"] - cfg.warmup)
+                                      for u in updates]
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
@@ -170,7 +172,7 @@ def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> 
 
 
 def acceptance_rate(stats: AcceptStats) -> float:
-    """Token acceptance rate: P(a draft child is accepted | an accepted node had children), over all depths."""
+    """Token acceptance rate: P(a child is accepted | an accepted node had children), over all depths."""
     tried = sum(stats.depth_tried)
     return sum(stats.depth_accepted) / tried if tried else 0.0
 
@@ -203,7 +205,7 @@ def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[d
         "time_verify_s": method.verify_s,
         "time_total_s": method.seconds,
         "time_prefill_s": method.prefill_s,
-        "time_offline_s": method.offline_s,  # the drafter's work between requests (online training): untimed
+        "time_offline_s": method.offline_s,  # the drafter's work between requests (online training)
         "baseline_time_prefill_s": base.prefill_s,
         "baseline_time_s": base.seconds,
         "greedy_equal_rate": sum(s["equal_to_baseline"] for s in samples) / len(samples),

@@ -39,15 +39,24 @@ class ExtraDrafts:
     count: int = 2  # boost: drafts trained after the zoo's own (which is draft 0); prose: 1
     pool_windows: int = 512  # boost: candidate examples (windows of the stream) scored per round
     boost_steps: int = 200  # boost: fine-tuning steps of each new draft (the zoo draft trains 800)
+    # prose: training steps from scratch (the zoo draft's 800 took 40 min on the loaded machine of the first
+    # build; 250 keep it a draft of prose, weak on code, in a quarter of that)
+    prose_steps: int = 250
     window: int = 0  # boost: example length in tokens; 0 = the zoo's training window
     keep_fraction: float = 0.4  # boost: least-covered share of the pool kept for the next draft
 
     def __post_init__(self) -> None:
         assert self.kind in ("boost", "prose"), f"unknown extra drafts {self.kind!r}: boost | prose"
 
+    def key_fields(self) -> dict:
+        """What the build depends on: the other kind's knobs are left out."""
+        out = dataclasses.asdict(self)
+        del out["prose_steps" if self.kind == "boost" else "boost_steps"]
+        return out
+
 
 def drafts_dir(zoo: ZooConfig, spec: ExtraDrafts, cache: Path | None = None) -> Path:
-    blob = json.dumps({"zoo": zoo_key(zoo), "spec": dataclasses.asdict(spec), "format": DRAFTS_FORMAT},
+    blob = json.dumps({"zoo": zoo_key(zoo), "spec": spec.key_fields(), "format": DRAFTS_FORMAT},
                       sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return (cache or cache_root()) / "zoo_drafts" / f"{zoo.name}-{spec.kind}-{key}"
@@ -61,6 +70,8 @@ def ensure_drafts(zoo: ZooConfig, spec: ExtraDrafts, cache: Path | None = None) 
         final.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(final.parent / f"{final.name}.lock"):
             if not final.is_dir():
+                for stale in final.parent.glob(f"{final.name}.tmp-*"):  # a killed build's (we hold the lock)
+                    shutil.rmtree(stale, ignore_errors=True)
                 tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
                 try:
                     with torch.inference_mode(False), torch.enable_grad():  # callers may be in inference
@@ -83,7 +94,8 @@ def _build(zoo: ZooConfig, spec: ExtraDrafts, paths: ZooPaths, out: Path) -> Non
     report: dict = {"kind": spec.kind, "spec": dataclasses.asdict(spec), "zoo": zoo_key(zoo), "drafts": [],
                     "rounds": []}
     if spec.kind == "prose":
-        model, info = _train_draft(zoo, stream, target, seed=zoo.seed + 101, label="prose draft")
+        model, info = _train_draft(zoo, stream, target, seed=zoo.seed + 101, label="prose draft",
+                                   steps=spec.prose_steps)
         _save(model, tokenizer, out / "draft_prose", report, info)
     else:
         drafts = [_pretrained(str(paths.draft_dir)).eval()]
@@ -108,8 +120,8 @@ def training_stream(zoo: ZooConfig, tokenizer, prose_only: bool = False) -> Pack
 
     docs = _limit(corpus("train"), zoo.max_train_chars)
     modules = {d.module for d in docs}
-    prose = [d.text for d in corpus("train", "prose") if d.module in modules] if zoo.train_prose or prose_only \
-        else []
+    with_prose = zoo.train_prose or prose_only
+    prose = [d.text for d in corpus("train", "prose") if d.module in modules] if with_prose else []
     texts = prose if prose_only else [d.text for d in docs] + prose
     flags = [True] * len(texts) if prose_only else [i >= len(docs) for i in range(len(texts))]
     return pack(encode_documents(tokenizer, texts), tokenizer.eos_token_id,
@@ -153,13 +165,14 @@ def _hardest(pool: Packed, best: torch.Tensor, drafts: list, spec: ExtraDrafts) 
 
 
 def _train_draft(zoo: ZooConfig, stream: Packed, teacher, seed: int, label: str,
-                 start: tuple | None = None) -> tuple:
+                 start: tuple | None = None, steps: int = 0) -> tuple:
     """The zoo draft's recipe (architecture, steps, distillation from p) on ``stream``: from scratch, or
-    ``start`` = (a model to fine-tune a copy of, steps)."""
+    ``start`` = (a model to fine-tune a copy of, steps); ``steps`` > 0 caps the recipe's steps."""
     eos = teacher.config.eos_token_id
     tokens = torch.where(stream.tokens < 0, eos, stream.tokens)  # separators of _hardest: eos
     stream = Packed(tokens, stream.prose)
-    spec = zoo.draft
+    spec = zoo.draft if not steps else dataclasses.replace(zoo.draft, steps=min(steps, zoo.draft.steps),
+                                                           warmup=min(zoo.draft.warmup, steps // 8))
     if start is None:
         model = new_model(spec, teacher.config.vocab_size, eos, zoo.max_positions, seed)
     else:
