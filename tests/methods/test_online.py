@@ -76,9 +76,7 @@ def test_wrong_mask_keeps_the_last_accepted_node_with_children(tiny_models):
     prompt = torch.tensor([3, 4, 5])
     drafter.reset(prompt)
     draft = Draft(Tree.chain(3), torch.tensor([5, 6, 7, 8]))
-    from methods.core.drafter import DraftContext
-
-    drafter.inner.propose(DraftContext(prompt, None, torch.Generator(), 8))  # fill the draft cache
+    drafter.inner.feedback = lambda fb: None  # no draft cache here: only the buffer is under test
     drafter._root_index = 2
     drafter._current.tokens = prompt
     logits = torch.randn(4, tiny_models.target.config.vocab_size)
