@@ -60,7 +60,7 @@ class SpecInferDrafter:
             tree = Tree.chain(int(method.params.get("gamma") or 4))
         k = int(method.params.get("drafts", 3))
         drafts = load_drafts(models, k, str(method.params.get("source", "boost")),
-                             int(method.params.get("pool_windows", 2048)))
+                             method.params.get("pool_windows"))
         return cls(drafts, tree, sampling, _MODES[verifier])
 
     def reset(self, prompt: torch.Tensor) -> None:
@@ -131,7 +131,7 @@ def union_tree(tree: Tree, k: int) -> Tree:
     return Tree.from_paths(paths)
 
 
-def load_drafts(models, k: int, source: str, pool_windows: int = 2048) -> list:
+def load_drafts(models, k: int, source: str, pool_windows: int | None = None) -> list:
     """The zoo's draft and k-1 boost-tuned ones (``source=boost``, built and cached on first use), or, for
     random / test models, the draft and k-1 perturbed copies of it (``source=copies``)."""
     if source == "copies":
@@ -147,7 +147,10 @@ def load_drafts(models, k: int, source: str, pool_windows: int = 2048) -> list:
     if zoo is None:
         raise ValueError("specinfer source=boost needs a zoo target (model=zoo or model=micro); for other "
                          "models use method.params.source=copies")
-    paths = ensure_drafts(zoo, ExtraDrafts("boost", count=k - 1, pool_windows=pool_windows))
+    spec = ExtraDrafts("boost", count=k - 1)  # the cached recipe, unless the run asks for another pool
+    if pool_windows is not None:
+        spec = ExtraDrafts("boost", count=k - 1, pool_windows=int(pool_windows))
+    paths = ensure_drafts(zoo, spec)
     extra = [_pretrained(str(p)).to(models.device, models.dtype).eval() for p in paths]
     return [models.draft, *extra]
 
