@@ -91,6 +91,8 @@ def comparison(runs: pd.DataFrame, methods: Sequence[str] | None = None) -> pd.D
     """τ, speedup and their predictions per (method, tree, workload), plus the mean tree size and the draft
     forwards per step where a run reports them."""
     df = runs if methods is None else runs[runs["method"].isin(list(methods))]
+    if not df.empty:  # the online drafter's static control under its own name
+        df = df.assign(method=df.apply(run_label, axis=1))
     keep = [c for c in ("method", "tree", "workload", *COMPARED, "tree_size", "draft_forwards_per_step")
             if c in df.columns]
     order = [c for c in ("workload", "method", "tree") if c in keep]
