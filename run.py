@@ -395,6 +395,10 @@ def main(dcfg: DictConfig) -> None:
         seed_everything(cfg.seed, with_torch=cfg.task != Task.simulate, threads=cfg.threads)
         result = execute(cfg, out_dir)
         write_outputs(out_dir, run_metrics(cfg, result.metrics, experiment), result.samples)
+        if result.metrics.get("drafter_updates") is not None:  # a drafter that learns while serving
+            from analysis.online import save_run_curve
+
+            save_run_curve(out_dir, result.metrics)
     except (ConfigError, TaskUnavailable) as e:
         _fail(e, out_dir, Path(hc.runtime.cwd), sweeping, expected=True)
         return

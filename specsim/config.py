@@ -149,7 +149,7 @@ class ModelConfig:
 class WorkloadConfig:
     name: str = "code"
     split: str = "test"  # train | calibration | test
-    kind: str = "code"  # code | prose | grounded | mixed
+    kind: str = "code"  # code | prose | grounded | mixed | stream (code requests in sequence, none repeated)
     num_prompts: int = 8
     prompt_tokens: int = 128
     max_new_tokens: int = 64
@@ -323,7 +323,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_model(cfg.model, cfg.method)
     w, m = cfg.workload, cfg.model
     _choice(w.split, "workload.split", ("train", "calibration", "test"))
-    _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed"))
+    _choice(w.kind, "workload.kind", ("code", "prose", "grounded", "mixed", "stream"))
     _choice(cfg.engine.name, "engine.name", ("specsim", "vllm"))
     _check(w.context_tokens <= m.context_length, "workload.context_tokens",
            f"must be <= model.context_length={m.context_length} (the KV length verification sees), "

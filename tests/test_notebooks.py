@@ -57,7 +57,9 @@ def test_executes(path, tmp_path, monkeypatch, request):
         "SPECSIM_FIGURES_DIR": str(tmp_path / "figures"),
         "SPECSIM_TABLES_DIR": str(tmp_path / "tables"),
     }
-    if not path.name.startswith("01_"):  # the analysis notebooks read sweeps
+    if path.name.startswith("04_"):  # online / multi-draft runs: fabricated run dirs
+        env["SPECSIM_RUNS_DIR"] = str(request.getfixturevalue("online_runs"))
+    elif not path.name.startswith("01_"):  # the analysis notebooks read sweeps
         env["SPECSIM_SWEEP_DIR"] = str(request.getfixturevalue("simulate_sweep"))
         env["SPECSIM_MULTIRUN_DIR"] = str(request.getfixturevalue("experiment_sweeps"))
     for key, value in env.items():
@@ -71,3 +73,33 @@ def test_executes(path, tmp_path, monkeypatch, request):
     assert not errors
     ran = [c for c in nb.cells if c.cell_type == "code"]
     assert ran and all(c.execution_count for c in ran), "every code cell ran"
+
+
+@pytest.fixture
+def online_runs(tmp_path) -> Path:
+    """Measure runs as run.py writes them (metrics.json only): an online run and its static control over 64
+    requests, and one run each of vanilla, specinfer, lookahead and staged."""
+    import random
+
+    rng = random.Random(0)
+    root = tmp_path / "runs"
+
+    def write(name: str, method: str, tree: str, workload: str, **extra) -> None:
+        run = root / name
+        run.mkdir(parents=True)
+        metrics = {"task": "measure", "method": method, "tree": tree, "hardware": "cpu", "workload": workload,
+                   "model": "zoo", "seed": 0, "tau": 2.0 + rng.random(), "speedup": 1 + rng.random(),
+                   "predicted_tau": 2.5, "predicted_speedup": 1.4, "tree_size": 5, **extra}
+        (run / "metrics.json").write_text(json.dumps(metrics))
+
+    for every, slope in ((8, 0.004), (0, 0.0)):
+        acc = [min(1.0, 0.3 + slope * i + 0.05 * rng.random()) for i in range(64)]
+        ups = [{"after_request": r + 1, "after_measured_request": r} for r in range(8, 64, 8)]
+        updates = ups if every else []
+        write(f"online_{every}", "online", "chain", "stream", per_request_acceptance=acc,
+              per_request_tau=[1 + 4 * a for a in acc], drafter_updates=updates,
+              **{"method.params.update_every": every})
+    for method, tree in (("vanilla", "chain"), ("vanilla", "specinfer"), ("specinfer", "specinfer"),
+                         ("lookahead", "chain"), ("staged", "chain")):
+        write(f"{method}_{tree}", method, tree, "code")
+    return root

@@ -18,6 +18,34 @@ from specsim.tree import Tree
 
 
 @dataclass(frozen=True)
+class Draws:
+    """The laws the draft tokens were drawn from, one row per independent draw (SpecInfer's merged token
+    tree of several drafts, Miao et al. 2024): draw j proposed node ``node[j]``'s token from the law
+    ``q[j]``, independently of every other draw given the node's parent path. A node proposed by several
+    drafts (their shared prefix, merged) has one draw per proposer; every non-root node has at least one.
+    At each node the verifier tests its children's draws in draw order — an order fixed before any token
+    was drawn (draft by draft), never one that depends on the drawn values."""
+
+    node: torch.Tensor  # (M,) long, node ids in 1..N-1
+    q: torch.Tensor  # (M, V) float
+
+    def __post_init__(self) -> None:
+        assert self.node.dim() == 1 and self.q.dim() == 2 and self.q.shape[0] == self.node.numel(), (
+            f"draws: node {tuple(self.node.shape)} and q {tuple(self.q.shape)} need one row per draw")
+
+    def select(self, keep: list[int]) -> Draws:
+        """The draws of the kept nodes (ascending node list), renumbered as ``keep`` renumbers them."""
+        index = {old: new for new, old in enumerate(keep)}
+        pairs = [(j, index[n]) for j, n in enumerate(self.node.tolist()) if n in index]
+        rows = torch.tensor([j for j, _ in pairs], dtype=torch.long, device=self.q.device)
+        nodes = torch.tensor([n for _, n in pairs], dtype=torch.long, device=self.node.device)
+        return Draws(nodes, self.q[rows])
+
+    def to(self, device: torch.device | str) -> Draws:
+        return Draws(self.node.to(device), self.q.to(device))
+
+
+@dataclass(frozen=True)
 class Draft:
     """A proposed draft tree.
 
@@ -26,6 +54,9 @@ class Draft:
     q:      (N, V) float or None. Row i is the (processed) draft distribution from which the children of
             node i were drawn; rows of leaves are unused. None = deterministic draft (one-hot q: greedy
             drafts, n-gram lookups, top-k expansions), verified by the deterministic rule.
+    draws:  None, or the law of every node's own draw(s) (``Draws``): for trees whose siblings come from
+            different laws (several draft models, merged). Takes the place of ``q`` for the SpecInfer
+            verifier, which then needs no ``q``; the other verifiers ignore it.
     n_verifiable: None = every node may be accepted. Otherwise only nodes 0..n_verifiable-1 form the
             verification tree (closed under ancestors, as parents precede children); the later nodes are
             computed in the same target forward but never accepted (Lookahead's Jacobi branch): their
@@ -36,6 +67,7 @@ class Draft:
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     n_verifiable: int | None = None
+    draws: Draws | None = None
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.numel() == self.tree.size, (
@@ -45,6 +77,16 @@ class Draft:
         assert self.n_verifiable is None or 1 <= self.n_verifiable <= self.tree.size, (
             f"n_verifiable {self.n_verifiable} outside 1..{self.tree.size}"
         )
+        assert self.draws is None or self.q is None or self.draws.q.shape[-1] == self.q.shape[-1], (
+            "draws and q differ in vocabulary size")
+
+    def select(self, tree: Tree, keep: list[int], n_verifiable: int | None = None) -> Draft:
+        """The draft restricted to the ascending node list ``keep`` (closed under ancestors), whose tree is
+        ``tree``: tokens, q rows and draws follow the renumbering."""
+        idx = torch.tensor(keep, device=self.tokens.device)
+        q = None if self.q is None else self.q[idx.to(self.q.device)]
+        draws = None if self.draws is None else self.draws.select(keep)
+        return Draft(tree, self.tokens[idx], q, n_verifiable, draws)
 
     @property
     def verifiable(self) -> int:
@@ -103,7 +145,10 @@ class Backbone:
 class Drafter(Protocol):
     """Optional attributes: ``feature_layers: tuple[int, ...]`` (default ()): decoder layers whose outputs
     the drafter reads in ``DraftContext.features``; ``backbone: Backbone | None`` (default None): the target
-    this drafter decodes against when it is not the run's (methods.drafters.registry.backbone_of)."""
+    this drafter decodes against when it is not the run's (methods.drafters.registry.backbone_of);
+    ``offline_seconds: float``: cumulative seconds the drafter spent on work between requests (Online SD's
+    distillation, run in ``reset``); the loop leaves them out of its timers and reports them as
+    ``time_offline_s``."""
 
     needs_hidden_states: bool
 

@@ -51,6 +51,7 @@ class DecodeResult:
     time_total_s: float  # the whole decode, prefill included
     stop: str  # "eos" | "length"
     time_prefill_s: float = 0.0  # the prompt's prefill (target, and the drafter's reset: a draft model's own)
+    time_offline_s: float = 0.0  # the drafter's work between requests (Drafter.offline_seconds), in no timer
 
 
 @torch.inference_mode()
@@ -65,9 +66,14 @@ def decode(
     want_hidden = bool(getattr(drafter, "needs_hidden_states", False))
     layers = tuple(getattr(drafter, "feature_layers", ()))
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    offline = getattr(drafter, "offline_seconds", 0.0)
     tokens, hidden, features = _start(target, drafter, prompt, max_new, (want_hidden, layers))
     sync()
-    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start)
+    # work between requests (in reset) is no decoding work: out of the prefill and total times
+    offline = getattr(drafter, "offline_seconds", 0.0) - offline
+    t_start += offline
+    res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", time.perf_counter() - t_start,
+                       offline)
     t, end = n_prompt, n_prompt + max_new
     while t < end:
         t0 = time.perf_counter()
@@ -124,7 +130,8 @@ def _start(
 def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft:
     draft = limit_depth(drafter.propose(ctx), ctx.max_new)
     if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
-        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable)
+        draws = None if draft.draws is None else draft.draws.to(device)
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable, draws)
     return draft
 
 
@@ -148,8 +155,8 @@ def verification_draft(draft: Draft) -> Draft:
     n = draft.verifiable
     if n == draft.tree.size:
         return draft
-    q = None if draft.q is None else draft.q[:n]
-    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], q)
+    keep = list(range(n))
+    return draft.select(subtree(draft.tree, keep), keep)
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
@@ -168,9 +175,8 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     if tree.size <= max_depth + 1 or tree.depth <= max_depth:  # size first: Tree.depth is not memoised
         return draft
     keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
-    idx = torch.tensor(keep, device=draft.tokens.device)
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
-    return Draft(subtree(tree, keep), draft.tokens[idx], None if draft.q is None else draft.q[idx], n_ver)
+    return draft.select(subtree(tree, keep), keep, n_ver)
 
 
 def kept_nodes(tree: Tree, ok: Sequence[bool]) -> list[int]:

@@ -1,7 +1,8 @@
 """Verification of a draft tree against the target — pure functions chosen by config (p = target, q = draft).
 
 Leviathan et al. 2023, Alg. 1 (chain rejection sampling with the bonus token); SpecInfer (Miao et al. 2024,
-multi-step speculative sampling, children drawn with replacement); Sequoia (Chen et al. 2024, without
+multi-step speculative sampling, children drawn with replacement, or each from its own draft's law in a
+merged tree of several drafts); Sequoia (Chen et al. 2024, without
 replacement); recursive rejection for deterministic drafts (q one-hot: EAGLE-2/3, lookahead, n-gram, top-k);
 Medusa's typical acceptance (Cai et al. 2024) — LOSSY. p: (N, V) processed target probabilities, row i = law
 of the token after node i's path; randomness from a torch.Generator or any `sampling.Randomness`.
@@ -105,6 +106,48 @@ def _walk(draft: Draft, p: Tensor, rng: Randomness, rule: NodeRule) -> VerifyRes
             return VerifyResult(tuple(path), tok)
 
 
+def _walk_draws(draft: Draft, p: Tensor, rng: Randomness) -> VerifyResult:
+    """SpecInfer's multi-step speculative sampling over per-draw laws (``Draft.draws``: a merged tree of
+    several drafts). At node u its children's draws x_j ~ q_j are tested in draw order: accept x_j w.p.
+    min(1, p_j(x_j)/q_j(x_j)), on rejection p_{j+1} = norm(max(p_j − q_j, 0)); all rejected: sample
+    p_{k+1}. Exact by induction (Miao et al. 2024, Thm. 4.2) because each draw is independent of the earlier
+    ones given u's path and the order was fixed before drawing. A merged node's later draw of a token
+    already rejected at u is accepted with probability 0 (rejecting x from q_j means p_j(x) < q_j(x), so
+    p_{j+1}(x) = 0), yet it still shapes the residual, as it does in the unmerged tree; once accepted, the
+    walk goes on with the children every proposer of the node drew below it."""
+    tree, draws = draft.tree, draft.draws
+    nodes = draws.node.tolist()
+    by_parent: dict[int, list[int]] = {}
+    for j, n in enumerate(nodes):
+        by_parent.setdefault(tree.parents[n], []).append(j)
+    path, node = [0], 0
+    while True:
+        js = by_parent.get(node)
+        if not js:  # a leaf: the bonus token from the target
+            _, tok = rng.first_success(p.new_zeros(0), p[node][None], (True,))
+            return VerifyResult(tuple(path), tok)
+        kids = [nodes[j] for j in js]
+        accept, final = _per_draw_rule(p[node], draws.q[js].to(p.dtype), draft.tokens[kids])
+        then = torch.cat([p[kids], final[None]])  # (k+1, V)
+        terminal = tuple(not tree.children[c] for c in kids) + (True,)
+        i, tok = rng.first_success(accept, then, terminal)
+        if i < len(kids):
+            node = kids[i]
+            path.append(node)
+        if terminal[i]:
+            return VerifyResult(tuple(path), tok)
+
+
+def _per_draw_rule(p: Tensor, qs: Tensor, xs: Tensor) -> tuple[Tensor, Tensor]:
+    """Draw j from its own law qs[j] (k, V): the SpecInfer rule with q changing from draw to draw (a one-hot
+    row gives the deterministic rule's update: x zeroed, renormalised)."""
+    accept = []
+    for x, q in zip(xs, qs):
+        accept.append(_ratio(p[x], q[x]))
+        p = _residual(p, q)
+    return torch.stack(accept), p
+
+
 def _specinfer_rule(p: Tensor, q: Tensor | None, xs: Tensor) -> tuple[Tensor, Tensor]:
     """Children i.i.d. from q: accept x_j w.p. min(1, p_j(x_j)/q(x_j)); on rejection p_{j+1} =
     norm(max(p_j − q, 0)), q unchanged (a later child is independent of the rejected one)."""
@@ -144,12 +187,27 @@ def _check(name: str, draft: Draft, p: Tensor, needs_q: bool = False, chain: boo
     if chain and draft.tree.width > 1:
         raise VerifyError(f"verifier chain needs a chain draft, got a tree of width {draft.tree.width}; "
                           "use specinfer (sampled trees), sequoia (without replacement) or deterministic")
-    if needs_q and N > 1:
+    if needs_q and N > 1 and (name == "specinfer" or draft.q is None) and draft.draws is not None:
+        _check_draws(name, draft, p)
+    elif needs_q and N > 1:
         if draft.q is None:
             raise VerifyError(f"verifier {name} needs the draft probabilities q, but the drafter returned "
                               "q=None (a deterministic draft): use verifier=deterministic or greedy")
         if draft.q.shape != p.shape:
             raise VerifyError(f"verifier {name}: q {tuple(draft.q.shape)} must match p {tuple(p.shape)}")
+
+
+def _check_draws(name: str, draft: Draft, p: Tensor) -> None:
+    if name != "specinfer":
+        raise VerifyError(f"verifier {name} reads one law per parent (Draft.q); a draft with per-draw laws "
+                          "(Draft.draws, several draft models) needs verifier=specinfer")
+    d = draft.draws
+    if d.q.shape[-1] != p.shape[1]:
+        raise VerifyError(f"verifier {name}: draws q {tuple(d.q.shape)} must have V = {p.shape[1]}")
+    covered = set(d.node.tolist())
+    if 0 in covered or covered != set(range(1, draft.tree.size)):
+        raise VerifyError(f"verifier {name}: every non-root node needs at least one draw, and the root none "
+                          f"(nodes 1..{draft.tree.size - 1}; draws cover {sorted(covered)})")
 
 
 # ---- the verifiers (one signature) --------------------------------------------------------------------
@@ -197,8 +255,11 @@ def verify_chain(draft: Draft, p: Tensor, generator: Source) -> VerifyResult:
 
 def verify_specinfer(draft: Draft, p: Tensor, generator: Source) -> VerifyResult:
     """SpecInfer multi-step speculative sampling; children of node i drawn i.i.d. (with replacement) from
-    q[i]. Lossless."""
+    q[i] — or, with ``Draft.draws`` (a merged tree of several drafts), each child from its own law(s).
+    Lossless."""
     _check("specinfer", draft, p, needs_q=True)
+    if draft.draws is not None:
+        return _walk_draws(draft, p, as_randomness(generator))
     if draft.tree.width <= 1:
         return _on_chain(draft, p, generator)
     return _walk(draft, p, as_randomness(generator), _specinfer_rule)

@@ -3,7 +3,9 @@
 Kinds: ``code`` (continue a function: its signature, docstring and first lines), ``prose`` (continue English
 from docstrings/comments), ``grounded`` (the prompt carries a function and asks for it again — unchanged,
 renamed or without its docstring — so the continuation largely copies the context, as in summarisation,
-RAG or code editing: where prompt lookup shines), and ``mixed`` (code, prose, grounded in turn). Prompts hold
+RAG or code editing: where prompt lookup shines), ``mixed`` (code, prose, grounded in turn) and ``stream``
+(Online SD's serving stream: code requests in one fixed order, each a different held-out function, none
+repeated — a drafter that learns between requests never sees a prompt twice). Prompts hold
 exactly ``prompt_tokens`` tokens (left-truncated) and are deterministic for (workload, tokenizer, seed).
 """
 
@@ -20,6 +22,7 @@ from methods.data.corpus import Document, corpus
 from specsim.config import WorkloadConfig
 
 KINDS = ("code", "prose", "grounded")
+STREAM, STREAM_OF = "stream", "code"  # the stream kind serves code requests
 _MIN_REST_LINES = 4  # a code continuation worth predicting
 _REFERENCE_CHARS = 2000
 
@@ -47,8 +50,8 @@ def load_prompts(workload: WorkloadConfig, tokenizer, seed: int) -> list[Prompt]
     """``workload.num_prompts`` prompts of ``workload.kind`` from ``workload.split``.
 
     Raises ValueError when the split has too few usable candidates (never returns a short list)."""
-    assert workload.kind in (*KINDS, "mixed"), f"unknown workload kind {workload.kind!r}"
-    kinds = [workload.kind] * workload.num_prompts
+    assert workload.kind in (*KINDS, "mixed", STREAM), f"unknown workload kind {workload.kind!r}"
+    kinds = [STREAM_OF if workload.kind == STREAM else workload.kind] * workload.num_prompts
     if workload.kind == "mixed":
         kinds = [KINDS[i % len(KINDS)] for i in range(workload.num_prompts)]
     code = _parsed(corpus(workload.split, "code")) if {"code", "grounded"} & set(kinds) else []
@@ -60,7 +63,10 @@ def load_prompts(workload: WorkloadConfig, tokenizer, seed: int) -> list[Prompt]
             docs = code if kind != "prose" else corpus(workload.split, "prose")
             groups = _CANDIDATES[kind](docs, rng)
             per_kind[kind] = _pick(groups, rng, n, _maker(kind, tokenizer, workload.prompt_tokens))
-    return [per_kind[k].pop(0) for k in kinds]
+    out = [per_kind[k].pop(0) for k in kinds]
+    if workload.kind == STREAM:  # requests of a stream: no prompt (nor function) twice
+        assert len({p.prompt_id for p in out}) == len(out), "a stream repeated a prompt"
+    return out
 
 
 # ---- selection and tokenisation ----------------------------------------------------------------------

@@ -12,11 +12,13 @@ from specsim.tree import Tree
 
 DRAFTERS = MappingProxyType({
     "autoregressive": "methods.drafters.autoregressive:Autoregressive",
-    "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
+    "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
     "lookahead": "methods.drafters.lookahead:Lookahead",
     "staged": "methods.drafters.staged:StagedDrafter",
+    "specinfer": "methods.drafters.specinfer:SpecInferDrafter",  # several drafts, one merged tree
+    "online": "methods.drafters.online:OnlineDrafter",  # the draft distilled on the target while serving
 })
 # Cheap declarations that run.py checks before any work (no drafter class is imported for them):
 # drafters whose draft is a function of the context whatever the verifier (q one-hot, Draft.q = None); the

@@ -16,7 +16,7 @@ cost model does not price.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class _Totals:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     steps: list[float] = field(default_factory=list)  # seconds per decode step of each prompt (no prefill)
+    offline_s: float = 0.0
 
     def add(self, r: DecodeResult) -> None:
         self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1))
@@ -69,6 +70,7 @@ class _Totals:
         self.draft_s += r.time_draft_s
         self.verify_s += r.time_verify_s
         self.prefill_s += r.time_prefill_s
+        self.offline_s += r.time_offline_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,7 +94,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     models = load_models(cfg.model, cfg.device, cfg.model.dtype)
     w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
-    prompts = load_prompts(w, models.tokenizer, cfg.seed)
+    # one more prompt than measured, for the warm-up: the drafter never decodes a measured prompt twice (a
+    # drafter that learns between requests, Online SD, would otherwise have seen the first one)
+    *prompts, warm = load_prompts(replace(w, num_prompts=w.num_prompts + 1), models.tokenizer, cfg.seed)
     tree, predictions, profile, sequoia_tree = None, {}, None, None
     if cfg.method.drafter != "autoregressive":  # the drafter's measured profile on this device (cached)
         pcfg = profile_config(cfg)
@@ -116,9 +120,10 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     # the baseline proposes the root alone: no verifier runs, the next token is the target's own
     base_opts = DecodeOptions(Verifier.greedy, sampling, w.max_new_tokens, eos)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
+    warm_ids = torch.tensor(warm.token_ids, dtype=torch.long)
     for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: keep them out of the timings
-        decode(target, baseline, ids[0], base_opts, generator)
-        decode(target, drafter, ids[0], opts, generator)
+        decode(target, baseline, warm_ids, base_opts, generator)
+        decode(target, drafter, warm_ids, opts, generator)
 
     stats, method_t, base_t = AcceptStats(), _Totals(), _Totals()
     samples = []
@@ -132,6 +137,12 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     metrics = _metrics(stats, method_t, base_t, samples)
     if hasattr(drafter, "run_stats"):  # a drafter's own figures (Staged SD: draft forwards per step)
         metrics.update(drafter.run_stats())
+    metrics.update(_per_request(samples))
+    updates = getattr(drafter, "updates", None)  # a drafter that learns while serving: its updates' record
+    if updates is not None:
+        # counted in measured requests (the drafter also counted the warm-up's)
+        metrics["drafter_updates"] = [dict(u, after_measured_request=u["after_request"] - cfg.warmup)
+                                      for u in updates]
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
@@ -165,7 +176,22 @@ def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> 
         "accepted_lengths": res.accepted_lengths,
         "equal_to_baseline": res.token_ids == ref.token_ids,
         "stop": res.stop,
+        "tau": res.stats.tau,
+        "acceptance": acceptance_rate(res.stats),
+        "time_offline_s": res.time_offline_s,
+        "speedup": ref.time_total_s / res.time_total_s if res.time_total_s else 0.0,
     }
+
+
+def acceptance_rate(stats: AcceptStats) -> float:
+    """Token acceptance rate: P(a child is accepted | an accepted node had children), over all depths."""
+    tried = sum(stats.depth_tried)
+    return sum(stats.depth_accepted) / tried if tried else 0.0
+
+
+def _per_request(samples: list[dict]) -> dict[str, Any]:
+    """The series over requests in serving order (a drafter that learns between requests: its curve)."""
+    return {f"per_request_{k}": [s[k] for s in samples] for k in ("tau", "acceptance", "time_offline_s")}
 
 
 def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[dict]) -> dict[str, Any]:
@@ -192,6 +218,7 @@ def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[d
         "time_verify_s": method.verify_s,
         "time_total_s": method.seconds,
         "time_prefill_s": method.prefill_s,
+        "time_offline_s": method.offline_s,  # the drafter's work between requests (online training)
         "baseline_time_prefill_s": base.prefill_s,
         "baseline_time_s": base.seconds,
         "greedy_equal_rate": sum(s["equal_to_baseline"] for s in samples) / len(samples),

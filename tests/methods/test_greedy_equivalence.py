@@ -26,12 +26,15 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa"}
-Q_DRAFTERS = {"draft_model"}
+TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online"}
+_SAMPLED = [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
+Q_DRAFTERS = {"draft_model": _SAMPLED, "online": _SAMPLED, "specinfer": [Verifier.specinfer]}
 TEST_PARAMS = {
     "medusa": {"heads": "random", "num_heads": 4},
     "lookahead": {"level": 4, "window": 3, "guess_set": 3},  # small: every warm-up/full-window path runs
     "staged": {"stage2": "ngram", "stage2_gamma": 3, "order": 1},
+    "specinfer": {"source": "copies", "drafts": 3},  # the draft and two perturbed copies, merged
+    "online": {"update_every": 2, "steps": 1},  # learns between the test's decodes: must stay lossless
 }
 METHOD_FIELDS = {"lookahead": {"verify_extra_tokens": 2 + 2 * 3 + 2 * 3}}  # (W-1) + (N-2)W + (G-1)(N-1)
 MULTI_TOKEN = {"draft_model", "prompt_lookup", "lookahead"}  # must produce multi-token blocks in the EOS test
@@ -44,8 +47,7 @@ def cases() -> list[tuple[str, str, Verifier]]:
     for name in names():
         trees = TREES if name in TREE_DRAFTERS else {"chain3": TREES["chain3"]}
         verifiers = [Verifier.greedy, Verifier.deterministic]
-        if name in Q_DRAFTERS:
-            verifiers += [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
+        verifiers += Q_DRAFTERS.get(name, [])
         for tree_name, tree in trees.items():
             for v in verifiers:
                 if v != Verifier.chain or tree.width <= 1:

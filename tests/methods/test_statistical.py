@@ -53,9 +53,10 @@ def exact_marginals(model, sampling: SamplingParams) -> list[np.ndarray]:
     return out
 
 
-def sampled_tokens(models, verifier: Verifier, tree: Tree, sampling: SamplingParams) -> np.ndarray:
-    method = MethodConfig(name=verifier.value, drafter="draft_model", verifier=verifier,
-                          lossless=verifier != Verifier.typical)
+def sampled_tokens(models, verifier: Verifier, tree: Tree, sampling: SamplingParams,
+                   drafter: str = "draft_model", params: dict | None = None) -> np.ndarray:
+    method = MethodConfig(name=verifier.value, drafter=drafter, verifier=verifier,
+                          lossless=verifier != Verifier.typical, params=dict(params or {}))
     drafter = build_drafter(method, tree, models, sampling)
     engine = ModelEngine(models.target)
     g = torch.Generator().manual_seed(1234)
@@ -96,6 +97,18 @@ def test_first_tokens_follow_the_target(small_vocab_models, laws, case):
     for i, law in enumerate(laws(sampling)):
         pvalue = chi2_pvalue(tokens[:, i], law)
         assert pvalue > 1e-4, f"token {i + 1}: p-value {pvalue:.2e} — the sampler does not follow the target"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [Tree.chain(2), Tree.kary(2, 2)], ids=["chains", "trees"])
+def test_merged_tree_of_several_drafts_follows_the_target(small_vocab_models, laws, tree):
+    """SpecInfer's merged token tree: three drafts (the draft and two perturbed copies, each its own law q_k)
+    fill the tree, merged where they agree, verified with per-draw laws (Draft.draws)."""
+    params = {"source": "copies", "drafts": 3}
+    tokens = sampled_tokens(small_vocab_models, Verifier.specinfer, tree, T1, "specinfer", params)
+    for i, law in enumerate(laws(T1)):
+        pvalue = chi2_pvalue(tokens[:, i], law)
+        assert pvalue > 1e-4, f"token {i + 1}: p-value {pvalue:.2e} — the merged tree does not follow p"
 
 
 @pytest.mark.slow

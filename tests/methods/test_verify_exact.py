@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from methods.core.drafter import Draft
+from methods.core.drafter import Draft, Draws
 from methods.core.sampling import SamplingParams, draw, probs
 from methods.core.verify import VERIFIERS, chain_rejection
 from specsim.config import LOSSY_VERIFIERS, Verifier
@@ -311,6 +311,103 @@ def test_greedy_target_is_exact(kind, mode, data):
     the target's greedy continuation, whatever the draft."""
     world, template = _setup(data, mode, greedy_target=True)
     check_lossless(tree_law(world, template, mode, VERIFIERS[kind]), world, template.depth + 1)
+
+
+# ---- SpecInfer's merged tree of several drafts (per-draw laws) ----------------------------------------
+def draft_law(world: World, k: int, prefix: tuple) -> torch.Tensor:
+    """Draft k's law after `prefix`: the world's q for k = 0, another law of the same relation for k > 0."""
+    if k == 0 or world.relation == "same":
+        return world.q(prefix)
+    if world.relation == "onehot_q":
+        x = world._rand(f"q{k}", prefix).randrange(world.V)
+        return torch.nn.functional.one_hot(torch.tensor(x), world.V).double()
+    return world._dist(f"q{k}", prefix)
+
+
+def merged_draft(world: World, templates_: list[Tree], rng) -> tuple[Draft, list[tuple]]:
+    """Each draft k realises its template with children drawn i.i.d. from its own law; the trees are merged
+    (a draw whose token a sibling already has joins that node), draws kept in draft order."""
+    parents, tokens, prefixes = [-1], [ROOT], [(ROOT,)]
+    draw_nodes, draw_q = [], []
+    for k, template in enumerate(templates_):
+        where = {0: 0}  # template node -> merged node
+        for t in range(1, template.size):
+            u = where[template.parents[t]]
+            row = draft_law(world, k, prefixes[u])
+            x = draw(rng, row)
+            same = [n for n in range(1, len(tokens)) if parents[n] == u and tokens[n] == x]
+            if same:
+                where[t] = same[0]
+            else:
+                where[t] = len(tokens)
+                parents.append(u)
+                tokens.append(x)
+                prefixes.append(prefixes[u] + (x,))
+            draw_nodes.append(where[t])
+            draw_q.append(row)
+    draws = Draws(torch.tensor(draw_nodes, dtype=torch.long), torch.stack(draw_q)) if draw_q else None
+    if draws is None:  # every template is the root alone
+        draws = Draws(torch.zeros(0, dtype=torch.long), torch.zeros(0, world.V, dtype=torch.float64))
+    return Draft(Tree.from_parents(parents), torch.tensor(tokens), None, draws=draws), prefixes
+
+
+def merged_law(world: World, templates_: list[Tree]) -> dict:
+    def run(rng):
+        draft, prefixes = merged_draft(world, templates_, rng)
+        p = torch.stack([world.p(pre) for pre in prefixes])
+        res = VERIFIERS[Verifier.specinfer](draft, p, rng)
+        toks = draft.tokens.tolist()
+        return tuple(toks[i] for i in res.accepted[1:]) + (res.next_token,)
+
+    return exact_law(run)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_specinfer_merged_tree_of_several_drafts_is_exact(data):
+    """Two or three drafts, each its own law, chains or small trees, merged where their prefixes agree:
+    the per-draw laws make multi-step speculative sampling exact (duplicates and one-hot laws included)."""
+    V = data.draw(st.sampled_from([2, 3]), label="V")
+    world = World(data, V)
+    k = data.draw(st.sampled_from([2, 3]), label="drafts")
+    budget = _BUDGET[V]
+    sizes = data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k).filter(
+        lambda xs: sum(xs) <= budget), label="sizes")
+    shapes = [data.draw(templates(n), label=f"template{i}") for i, n in enumerate(sizes)]
+    law = merged_law(world, shapes)
+    depth = max(t.depth for t in shapes)
+    event(f"V={V} drafts={k} draws={sum(t.size - 1 for t in shapes)} outcomes={len(law)}")
+    check_lossless(law, world, depth + 1)
+
+
+def test_merged_tree_needs_every_draw_law():
+    """Negative control: keeping only the first proposer's law of a merged node (dropping the duplicate
+    draws) changes the law; the per-draw verifier on the same drafts is exact."""
+
+    class Fixed(World):
+        def __init__(self) -> None:
+            self.V, self.greedy_target, self.positional, self.relation = 3, False, False, "independent"
+            self._p, self._q = {}, {}
+            for pre in [(ROOT,)] + [(ROOT, x) for x in range(3)]:
+                self._p[pre] = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+                self._q[pre] = torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64)
+
+        def _dist(self, model: str, prefix: tuple) -> torch.Tensor:
+            return torch.tensor([0.1, 0.1, 0.8], dtype=torch.float64)
+
+    world, shapes = Fixed(), [Tree.chain(1), Tree.chain(1)]
+    check_lossless(merged_law(world, shapes), world, 2)
+
+    def first_only(rng):
+        draft, prefixes = merged_draft(world, shapes, rng)
+        nodes, seen = draft.draws.node.tolist(), set()
+        keep = [j for j, n in enumerate(nodes) if not (n in seen or seen.add(n))]
+        first = Draws(draft.draws.node[keep], draft.draws.q[keep])
+        draft = Draft(draft.tree, draft.tokens, None, draws=first)
+        res = VERIFIERS[Verifier.specinfer](draft, torch.stack([world.p(pre) for pre in prefixes]), rng)
+        return tuple(draft.tokens[i].item() for i in res.accepted[1:]) + (res.next_token,)
+
+    assert completion_gap(exact_law(first_only), world, 2) > 1e-3
 
 
 def test_every_lossless_verifier_is_proved():
