@@ -15,6 +15,8 @@ DRAFTERS = MappingProxyType({
     "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
+    "eagle": "methods.drafters.eagle:EagleDrafter",  # EAGLE-1 / EAGLE-2 (tree=dynamic)
+    "eagle3": "methods.drafters.eagle:Eagle3Drafter",
 })
 
 
@@ -32,6 +34,10 @@ def drafter_class(name: str) -> type:
     return getattr(import_module(module), attr)
 
 
-def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling):
-    """The drafter ``method.drafter`` names, built for this run."""
-    return drafter_class(method.drafter).from_config(method, tree, models, sampling)
+def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling, tree_cfg=None):
+    """The drafter ``method.drafter`` names, built for this run. ``tree_cfg`` (the tree preset) reaches only
+    drafters declaring ``reads_tree_config`` (they shape their tree per context: EAGLE-2's dynamic tree)."""
+    cls = drafter_class(method.drafter)
+    if tree_cfg is not None and getattr(cls, "reads_tree_config", False):
+        return cls.from_config(method, tree, models, sampling, tree_cfg=tree_cfg)
+    return cls.from_config(method, tree, models, sampling)

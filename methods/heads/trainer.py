@@ -69,7 +69,9 @@ def fit(
     sched = None
     if cfg.schedule == "onecycle":
         peaks = [g["lr"] for g in opt.param_groups]
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, peaks, total_steps=max(cfg.steps, 1), pct_start=0.05)
+        total = max(cfg.steps, 1)
+        pct = 0.05 if total * 0.05 != 1 else 0.06  # torch divides by (pct · total - 1): 20 steps would fail
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, peaks, total_steps=total, pct_start=pct)
     out = LoopResult()
     bar = tqdm(range(cfg.steps), desc=cfg.desc, leave=False)
     with torch.inference_mode(False), torch.enable_grad():
