@@ -43,7 +43,7 @@ class EagleParams:
 
     head: str = "train"  # train (cached: methods.heads.eagle.store) | a published-layout directory | random
     feature_layers: tuple[int, ...] = ()  # eagle3: three distinct target decoder layers (0-based)
-    steps: int = 300
+    steps: int = 150
     ttt_steps: int = 0  # eagle3's training-time test rollout steps
     seed: int = 0
     train: dict = field(default_factory=dict)  # further EagleTrainConfig fields

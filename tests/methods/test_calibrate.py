@@ -332,3 +332,16 @@ def test_prompt_lookup_profile_has_vectors_per_depth(run_config, tiny_models, ca
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
+
+
+@pytest.mark.parametrize("method,extra", [("eagle", ()), ("eagle3", ("method.params.feature_layers=[0,1]",))])
+def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models, cache, method, extra):
+    """The EAGLE head's law at depth d (the training-time-test rollout along the trajectory) gives one
+    star vector per level of the method's tree; depth 1 is the positional vector."""
+    cfg = run_config(*SMALL, f"method={method}", "method.params.head=random", "tree=chain", "tree.gamma=3",
+                     *extra)
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    assert len(prof.acceptance_vectors_by_depth) == 3
+    assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    for v in prof.acceptance_vectors_by_depth:
+        _valid_vector(v, 8)
