@@ -91,6 +91,12 @@ class EagleDrafter:
         self.feature_layers = head.cfg.feature_layers if head.cfg.variant == "eagle3" else ()
         self.needs_hidden_states = head.cfg.variant == "eagle1"
         self.cache = HeadCache(self.head)
+        self._sizes = [0, 0]  # dynamic trees: nodes proposed, proposals (for the mean tree size)
+
+    @property
+    def mean_tree_size(self) -> float | None:
+        """Mean size (root included) of the dynamic trees proposed so far; None for static trees."""
+        return self._sizes[0] / self._sizes[1] if self.dynamic is not None and self._sizes[1] else None
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams,
@@ -125,6 +131,7 @@ class EagleDrafter:
         try:
             if self.dynamic is not None:
                 parents, tokens, ranks = self._dynamic(root, depth)
+                self._sizes[0], self._sizes[1] = self._sizes[0] + len(tokens), self._sizes[1] + 1
                 ids = torch.tensor(tokens, device=ctx.tokens.device)
                 return Draft(Tree.from_parents(parents, ranks), ids)
             return self._static(root, depth, ctx)
@@ -279,4 +286,6 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
     if head.cfg.variant != variant:
         raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
     w = target.get_output_embeddings().weight
-    return head.to(device=w.device, dtype=w.dtype).eval()
+    # float32 on CPU: the head's matmuls are tiny, where bf16 is no faster (measured) and float32 is exact
+    dtype = torch.float32 if w.device.type == "cpu" else w.dtype
+    return head.to(device=w.device, dtype=dtype).eval()

@@ -30,6 +30,7 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import build_drafter
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.profiles import (
+    dynamic_tree_for,
     prediction_metrics,
     profile_config,
     profile_path,
@@ -125,6 +126,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
+    if TreeKind(cfg.tree.kind) == TreeKind.dynamic and profile is not None:  # priced as its static DP tree
+        tree = dynamic_tree_for(cfg, profile)
+        metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}

@@ -16,7 +16,7 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.eagle import EagleDrafter, _rerank
 from methods.drafters.registry import build_drafter
 from methods.heads import trainer
-from methods.heads.eagle.checkpoint import load_eagle, names, save_eagle
+from methods.heads.eagle.checkpoint import _split, load_eagle, names, save_eagle
 from methods.heads.eagle.state import HeadCache
 from methods.heads.eagle.train import EagleTrainConfig, new_head, rollout, train, ttt_mask
 from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
@@ -141,7 +141,9 @@ def test_published_eagle3_layout_with_a_draft_vocabulary(tiny_models, tmp_path):
     H, V, Vd = 64, 320, 100
     g = torch.Generator().manual_seed(0)
     ref = _random_head(target, "eagle3", (0, 1))
-    state = {pub: ref.state_dict()[ours].clone() for ours, pub in names("eagle3").items() if ours != "d2t"}
+    ref_state = ref.state_dict()
+    state = {pub: part.clone() for ours, pubs in names("eagle3").items() if ours != "d2t"
+             for pub, part in zip(pubs, _split(ours, ref_state[ours], ref.cfg))}
     target_ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
     state["lm_head.weight"] = torch.randn(Vd, H, generator=g)
     state["d2t"] = target_ids - torch.arange(Vd)

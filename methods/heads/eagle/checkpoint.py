@@ -24,29 +24,36 @@ from transformers import PreTrainedModel
 
 from methods.heads.eagle.head import EagleConfig, EagleHead
 
-_LAYER = {  # our parameter → published name (without the layer prefix)
-    "q_proj.weight": "self_attn.q_proj.weight",
-    "k_proj.weight": "self_attn.k_proj.weight",
-    "v_proj.weight": "self_attn.v_proj.weight",
-    "o_proj.weight": "self_attn.o_proj.weight",
-    "post_norm": "post_attention_layernorm.weight",
-    "gate_proj.weight": "mlp.gate_proj.weight",
-    "up_proj.weight": "mlp.up_proj.weight",
-    "down_proj.weight": "mlp.down_proj.weight",
+_LAYER = {  # our parameter → published name(s) (without the layer prefix); fused ones are split row-wise
+    "qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj.weight": ("self_attn.o_proj.weight",),
+    "post_norm": ("post_attention_layernorm.weight",),
+    "gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj.weight": ("mlp.down_proj.weight",),
 }
-_EAGLE3 = {"embed_norm": "midlayer.input_layernorm.weight", "hidden_norm": "midlayer.hidden_norm.weight",
-           "norm": "norm.weight", "lm_head": "lm_head.weight", "d2t": "d2t"}
+_EAGLE3 = {"embed_norm": ("midlayer.input_layernorm.weight",),
+           "hidden_norm": ("midlayer.hidden_norm.weight",),
+           "norm": ("norm.weight",), "lm_head": ("lm_head.weight",), "d2t": ("d2t",)}
 
 
-def names(variant: str) -> dict[str, str]:
-    """Our state-dict key → the published one."""
+def names(variant: str) -> dict[str, tuple[str, ...]]:
+    """Our state-dict key → the published key(s) it is made of."""
     prefix = "layers.0." if variant == "eagle1" else "midlayer."
-    out = {"fc.weight": "fc.weight", **{k: prefix + v for k, v in _LAYER.items()}}
+    out = {"fc.weight": ("fc.weight",), **{k: tuple(prefix + x for x in v) for k, v in _LAYER.items()}}
     if variant == "eagle1":
-        out["fc.bias"] = "fc.bias"
+        out["fc.bias"] = ("fc.bias",)
     else:
         out.update(_EAGLE3)
     return out
+
+
+def _split(ours: str, t: torch.Tensor, cfg: EagleConfig) -> list[torch.Tensor]:
+    if ours == "qkv_proj.weight":
+        n, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return list(t.split([n, kv, kv]))
+    if ours == "gate_up_proj.weight":
+        return list(t.chunk(2))
+    return [t]
 
 
 def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> Path:
@@ -54,13 +61,21 @@ def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> P
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c, state = head.cfg, head.state_dict()
-    tensors = {pub: state[ours].detach().float().contiguous() if ours != "d2t" else state[ours].contiguous()
-               for ours, pub in names(c.variant).items()}
+    tensors = {}
+    for ours, pubs in names(c.variant).items():
+        t = state[ours].detach().cpu()
+        for pub, part in zip(pubs, _split(ours, t, c)):
+            tensors[pub] = (part if ours == "d2t" else part.float()).contiguous()
     if c.variant == "eagle3":
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[torch.arange(c.draft_vocab_size) + head.d2t.cpu()] = True
         tensors["t2d"] = t2d
     save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(_config(c, meta), indent=1))
+    return path
+
+
+def _config(c: EagleConfig, meta: dict | None) -> dict:
     config = {
         "architectures": ["LlamaForCausalLMEagle3" if c.variant == "eagle3" else "LlamaForCausalLM"],
         "model_type": "llama",
@@ -80,8 +95,7 @@ def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> P
     if c.variant == "eagle3":
         config["draft_vocab_size"] = c.draft_vocab_size
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+    return config
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -112,10 +126,10 @@ def load_eagle(path: Path | str, target: PreTrainedModel) -> tuple[EagleHead, di
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     lm = target.get_output_embeddings().weight.detach().float().cpu()
     head = EagleHead(cfg, embed, lm)
-    missing = set(names(variant).values()) - set(w)
+    missing = {p for pubs in names(variant).values() for p in pubs} - set(w)
     if missing:
         raise ValueError(f"{path}: missing weights {sorted(missing)}")
-    state = {ours: w[pub] for ours, pub in names(variant).items()}
+    state = {ours: torch.cat([w[p] for p in pubs]) for ours, pubs in names(variant).items()}
     if variant == "eagle3":
         state["d2t"] = state["d2t"].long()
     head.load_state_dict(state)  # strict: every persistent tensor comes from the file

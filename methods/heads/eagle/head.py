@@ -36,6 +36,7 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = ()  # eagle3: target decoder layers fused by fc (() = last hidden)
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    max_positions: int = 8192  # rotary table length
 
     def __post_init__(self) -> None:
         assert self.variant in ("eagle1", "eagle3"), f"unknown EAGLE variant {self.variant!r}"
@@ -66,14 +67,20 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half convention) of x (..., T, n, d) at positions pos (..., T)."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.to(torch.float32)[..., None] * inv  # (..., T, d/2)
-    cos, sin = torch.cat([ang, ang], -1).cos()[..., None, :], torch.cat([ang, ang], -1).sin()[..., None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+def rope_table(theta: float, head_dim: int, n: int) -> torch.Tensor:
+    """(n, 2, d) cos and sin of the rotary angles at positions 0..n-1 (Llama's rotate-half layout)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.arange(n, dtype=torch.float32)[:, None] * inv  # (n, d/2)
+    ang = torch.cat([ang, ang], -1)
+    return torch.stack([ang.cos(), ang.sin()], 1)
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (..., T, n, d) at positions pos (..., T), from a rope_table."""
+    cs = table[pos].to(x.dtype)  # (..., T, 2, d)
+    cos, sin = cs[..., 0, None, :], cs[..., 1, None, :]
+    d = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., d:], x[..., :d]], -1) * sin
 
 
 class EagleHead(nn.Module):
@@ -84,14 +91,14 @@ class EagleHead(nn.Module):
         width = H if cfg.variant == "eagle1" else 2 * H  # the attention's input
         self.fc = nn.Linear(cfg.n_features * H + (H if cfg.variant == "eagle1" else 0), H,
                             bias=cfg.variant == "eagle1")
-        self.q_proj = nn.Linear(width, n * d, bias=False)
-        self.k_proj = nn.Linear(width, kv * d, bias=False)
-        self.v_proj = nn.Linear(width, kv * d, bias=False)
+        # q, k, v in one projection and gate, up in another: fewer small matmuls per draft level (the
+        # checkpoint layout splits them, methods.heads.eagle.checkpoint)
+        self.qkv_proj = nn.Linear(width, (n + 2 * kv) * d, bias=False)
         self.o_proj = nn.Linear(n * d, H, bias=False)
         self.post_norm = nn.Parameter(torch.ones(H))
-        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(H, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        self.register_buffer("rope", rope_table(cfg.rope_theta, d, cfg.max_positions), persistent=False)
         self.register_buffer("embed", embed.detach().clone(), persistent=False)  # (V, H) the target's
         if cfg.variant == "eagle3":
             self.embed_norm = nn.Parameter(torch.ones(H))
@@ -117,11 +124,12 @@ class EagleHead(nn.Module):
             res = h
             x = torch.cat([rms_norm(e.to(h.dtype), self.embed_norm, c.rms_eps),
                            rms_norm(h, self.hidden_norm, c.rms_eps)], -1)
-        shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
-        return res, rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
+        shape, n, kv = x.shape[:-1], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = self.qkv_proj(x).split([n, kv, kv], -1)
+        q = q.reshape(*shape, c.num_heads, c.head_dim)
+        k = k.reshape(*shape, c.num_kv_heads, c.head_dim)
+        v = v.reshape(*shape, c.num_kv_heads, c.head_dim)
+        return res, rotate(q, pos, self.rope), rotate(k, pos, self.rope), v
 
     def attend(self, res, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         """g of the query rows: q (B, T, n, d) over keys k, v (B, S, kv, d) under the additive mask (T, S)
@@ -135,7 +143,8 @@ class EagleHead(nn.Module):
         a = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, is_causal=mask is None)
         x = res + self.o_proj(a.transpose(1, 2).reshape(*res.shape[:-1], -1))
         y = rms_norm(x, self.post_norm, c.rms_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        gate, up = self.gate_up_proj(y).chunk(2, -1)
+        return x + self.down_proj(F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Draft logits over the TARGET vocabulary (..., V); EAGLE-3's draft vocabulary is scattered to its
