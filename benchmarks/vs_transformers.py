@@ -148,7 +148,7 @@ def measured_rank_vector(models: Models, base: tuple[str, ...], engine, opts, pr
 
 def candidates(args, models: Models, base, engine, opts, calib) -> list[Candidate]:
     """specsim's contenders for "best": vanilla chains, a k-ary tree, Sequoia trees for the measured vector,
-    prompt lookup settings, Medusa when trained heads are cached."""
+    prompt lookup settings, Medusa and EAGLE-1/2/3 when their trained heads are cached."""
     from specsim import sequoia
 
     out = []
@@ -173,7 +173,28 @@ def candidates(args, models: Models, base, engine, opts, calib) -> list[Candidat
         out.append(Candidate("medusa 63-node tree", ("method=medusa",), Tree.from_paths(paths)))
         out += [Candidate(f"medusa greedy tree n={n}", ("method=medusa",), None, {"tree_budget": n})
                 for n in args.medusa_budgets]
+    if heads_cached(args.eagle, "eagle", models, base):
+        paths = compose(*base, "method=eagle").tree.paths  # EAGLE-1's static tree (conf/tree/eagle.yaml)
+        out.append(Candidate("eagle static tree", ("method=eagle",), Tree.from_paths(paths)))
+        out.append(Candidate("eagle2 dynamic tree", ("method=eagle2",), None))  # tree=dynamic preset
+    if heads_cached(args.eagle, "eagle3", models, base):
+        out.append(Candidate("eagle3 dynamic tree", ("method=eagle3",), None))
     return out
+
+
+def heads_cached(mode: str, method: str, models: Models, base) -> bool:
+    """--eagle auto: only when the method's trained head for this target is in the cache."""
+    if mode != "auto":
+        return mode == "train"
+    from methods.drafters.eagle import EagleParams
+    from methods.heads.eagle.store import EagleEval, _cache_root, cache_key
+
+    ep = EagleParams.from_method(_method((f"method={method}",), base, {}))
+    if ep.head != "train":
+        return True
+    variant = "eagle3" if method == "eagle3" else "eagle1"
+    key = cache_key(models.target, models.tokenizer, ep.train_config(variant), EagleEval())
+    return (_cache_root() / "eagle" / key / "report.json").exists()
 
 
 def medusa_cached(args, models: Models, base) -> bool:
@@ -209,7 +230,8 @@ def build_paths(args, cfg: RunConfig, models: Models, calib) -> tuple[list[Bench
                          prompt_lookup_num_tokens=args.pld_tokens, max_matching_ngram_size=args.ngram))
 
     def ours(name, overrides, tree, params, candidate):
-        drafter = build_drafter(_method(overrides, base, params), tree, models, greedy)
+        tree_cfg = compose(*base, *overrides).tree  # dynamic trees (EAGLE-2/3) are shaped by their drafter
+        drafter = build_drafter(_method(overrides, base, params), tree, models, greedy, tree_cfg=tree_cfg)
         return specsim_path(name, engine, drafter, opts, candidate)
 
     paths.append(ours(AR, ("method=autoregressive",), Tree.chain(0), {}, False))
@@ -353,6 +375,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="auto: include Medusa only if heads for this target are cached")
     ap.add_argument("--medusa-budgets", type=int, nargs="*", default=[16],
                     help="Medusa's greedy trees (from the heads' measured accuracies) of these sizes")
+    ap.add_argument("--eagle", choices=["auto", "train", "off"], default="auto",
+                    help="auto: include EAGLE-1/2 (EAGLE-3) only if their heads for this target are cached")
     return ap.parse_args(argv)
 
 

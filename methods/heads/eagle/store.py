@@ -97,3 +97,17 @@ def _build(target, tokenizer, cfg: EagleTrainConfig, ev: EagleEval, entry: Path)
     save_eagle(result.head, tmp / "head", meta={"top1_by_depth": accuracy, "train": cfg.to_dict()})
     (tmp / "report.json").write_text(json.dumps(report, indent=1))
     os.replace(tmp, entry)
+    _note_next_to_zoo(target, entry, report)
+
+
+def _note_next_to_zoo(target: PreTrainedModel, entry: Path, report: dict) -> None:
+    """A copy of the report in ``<zoo dir>/heads/`` when the target was loaded from a zoo build, so that
+    ``python -m methods.zoo report`` lists the heads trained on it (the zoo floor cannot import this one)."""
+    zoo = Path(str(getattr(target, "name_or_path", "") or "")).parent
+    if not (zoo / "zoo_config.json").exists():
+        return
+    (zoo / "heads").mkdir(exist_ok=True)
+    note = {k: report[k] for k in ("variant", "top1_by_depth", "train_seconds", "loadavg_1min", "config")}
+    atomic = zoo / "heads" / f".{entry.name}.tmp{os.getpid()}"
+    atomic.write_text(json.dumps({**note, "entry": str(entry)}, indent=1))
+    os.replace(atomic, zoo / "heads" / f"{report['variant']}-{entry.name}.json")
