@@ -167,3 +167,33 @@ def test_published_eagle3_layout_with_a_draft_vocabulary(tiny_models, tmp_path):
     save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # safetensors wins
     with pytest.raises(ValueError, match="missing"):
         load_eagle(tmp_path, target)
+
+
+@pytest.mark.slow
+def test_store_trains_once_reports_accuracy_by_depth_and_notes_it_next_to_the_zoo(tiny_models, tmp_path):
+    """A head for a target loaded from a zoo directory: trained on first use (even under inference_mode),
+    cached by config, its per-depth accuracy reported, and listed by ``python -m methods.zoo report``."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import methods.heads.eagle.store as store
+    from methods.zoo.__main__ import heads_report
+
+    zoo = tmp_path / "zoo"
+    tiny_models.target.save_pretrained(zoo / "target")
+    (zoo / "zoo_config.json").write_text("{}")
+    target = AutoModelForCausalLM.from_pretrained(zoo / "target").eval()
+    cfg = EagleTrainConfig(steps=4, train_windows=4, seq_len=32, batch_windows=2)
+    ev = store.EagleEval(prompts=2, prompt_len=16, new_tokens=12, depths=3, train_chars=20_000,
+                         test_chars=10_000)
+    with torch.inference_mode():
+        built = store.ensure_eagle(target, tiny_models.tokenizer, cfg, ev, cache_root=tmp_path / "cache")
+    acc = built.report["top1_by_depth"]
+    assert len(acc) == 3 and all(0 <= a <= 1 for a in acc) and built.report["train_seconds"] > 0
+    head, meta = load_eagle(built.head_dir, target)
+    assert meta["top1_by_depth"] == acc and head.cfg.variant == "eagle1"
+    again = store.ensure_eagle(target, tiny_models.tokenizer, cfg, ev, cache_root=tmp_path / "cache")
+    assert again.root == built.root and again.report == built.report  # cached: not trained again
+    text = heads_report(SimpleNamespace(target_dir=zoo / "target"))
+    assert "eagle1" in text and f"{acc[0]:.3f}" in text
