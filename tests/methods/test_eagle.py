@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from methods.core.drafter import DraftContext
 from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.eagle import EagleDrafter, _rerank
+from methods.drafters.eagle import Dynamic, EagleDrafter, _rerank
 from methods.drafters.registry import build_drafter
 from methods.heads import trainer
 from methods.heads.eagle.checkpoint import _split, load_eagle, names, save_eagle
@@ -197,3 +198,19 @@ def test_store_trains_once_reports_accuracy_by_depth_and_notes_it_next_to_the_zo
     assert again.root == built.root and again.report == built.report  # cached: not trained again
     text = heads_report(SimpleNamespace(target_dir=zoo / "target"))
     assert "eagle1" in text and f"{acc[0]:.3f}" in text
+
+
+def test_dynamic_tree_with_one_child_per_level_is_the_static_chain(tiny_models):
+    """top_k = 1: EAGLE-2's expansion is the greedy chain the static drafter proposes on a chain tree."""
+    head = _random_head(tiny_models.target)
+    chain = EagleDrafter(head, Tree.chain(4), GREEDY)
+    dyn = EagleDrafter(head, Dynamic(total_tokens=4, depth=4, top_k=1), GREEDY)
+    engine = ModelEngine(tiny_models.target)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    out = engine.prefill(seq[:-1], hidden=True)
+    drafts = []
+    for d in (chain, dyn):
+        d.reset(seq)
+        drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
+    assert drafts[0].tree.parents == drafts[1].tree.parents
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
