@@ -124,6 +124,35 @@ def medusa_cached(ctx: Context) -> bool:
     return (_cache_root() / "medusa" / key / "report.json").exists()
 
 
+def eagle(ctx: Context) -> list[Candidate]:
+    """EAGLE-1's static tree and EAGLE-2's dynamic tree, when the head is cached (or ``--eagle train``)."""
+    if not heads_cached(ctx, "eagle"):
+        return []
+    paths = ctx.compose(*ctx.base, "method=eagle").tree.paths  # EAGLE-1's static tree (conf/tree/eagle.yaml)
+    return [Candidate("eagle static tree", ("method=eagle",), Tree.from_paths(paths)),
+            Candidate("eagle2 dynamic tree", ("method=eagle2",), None)]  # the tree=dynamic preset
+
+
+def eagle3(ctx: Context) -> list[Candidate]:
+    return [Candidate("eagle3 dynamic tree", ("method=eagle3",), None)] if heads_cached(ctx, "eagle3") else []
+
+
+def heads_cached(ctx: Context, method: str) -> bool:
+    """--eagle auto: only when the method's trained head for this target is in the cache (training takes
+    minutes)."""
+    if ctx.args.eagle != "auto":
+        return ctx.args.eagle == "train"
+    from methods.drafters.eagle import EagleParams
+    from methods.heads.eagle.store import EagleEval, _cache_root, cache_key
+
+    ep = EagleParams.from_method(method_config(ctx, (f"method={method}",), {}))
+    if ep.head != "train":
+        return True
+    variant = "eagle3" if method == "eagle3" else "eagle1"
+    key = cache_key(ctx.models.target, ctx.models.tokenizer, ep.train_config(variant), EagleEval())
+    return (_cache_root() / "eagle" / key / "report.json").exists()
+
+
 def none(ctx: Context) -> list[Candidate]:
     return []
 
@@ -134,6 +163,8 @@ FACTORIES: dict[str, Callable[[Context], list[Candidate]]] = {
     "draft_model": draft_model,
     "prompt_lookup": prompt_lookup,
     "medusa": medusa,
+    "eagle": eagle,
+    "eagle3": eagle3,
 }
 
 

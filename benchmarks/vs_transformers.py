@@ -81,7 +81,9 @@ def build_paths(args, cfg: RunConfig, models: Models, prompts, calib
     ctx = Context(args, models, base, engine, opts, calib, compose)
 
     def ours(name, overrides, tree, params, candidate):
-        drafter = build_drafter(method_config(ctx, overrides, params), tree, models, greedy)
+        tree_cfg = ctx.compose(*base, *overrides).tree  # dynamic trees (EAGLE-2/3): shaped by their drafter
+        method = method_config(ctx, overrides, params)
+        drafter = build_drafter(method, tree, models, greedy, tree_cfg=tree_cfg)
         return specsim_path(name, engine, drafter, opts, candidate)
 
     paths.append(ours(AR, ("method=autoregressive",), Tree.chain(0), {}, False))
@@ -185,6 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(forward), both (all), none (off); each compiles for a while on first use")
     ap.add_argument("--dram-mib", type=int, default=1024, help="buffer of the main-memory bandwidth test "
                     "(past the last-level cache); 0 skips the physical-limit line")
+    ap.add_argument("--eagle", choices=["auto", "train", "off"], default="auto",
+                    help="auto: include EAGLE-1/2 (EAGLE-3) only if their heads for this target are cached")
     return ap.parse_args(argv)
 
 

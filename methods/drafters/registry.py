@@ -19,6 +19,8 @@ DRAFTERS = MappingProxyType({
     "staged": "methods.drafters.staged:StagedDrafter",
     "specinfer": "methods.drafters.specinfer:SpecInferDrafter",  # several drafts, one merged tree
     "online": "methods.drafters.online:OnlineDrafter",  # the draft distilled on the target while serving
+    "eagle": "methods.drafters.eagle:EagleDrafter",  # EAGLE-1 / EAGLE-2 (tree=dynamic)
+    "eagle3": "methods.drafters.eagle:Eagle3Drafter",
 })
 # Cheap declarations that run.py checks before any work (no drafter class is imported for them):
 # drafters whose draft is a function of the context whatever the verifier (q one-hot, Draft.q = None); the
@@ -49,6 +51,10 @@ def backbone_of(drafter, models, model_name: str) -> tuple[object, str]:
     return (own.model, own.name) if own is not None else (models.target, f"{model_name} target")
 
 
-def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling):
-    """The drafter ``method.drafter`` names, built for this run."""
-    return drafter_class(method.drafter).from_config(method, tree, models, sampling)
+def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling, tree_cfg=None):
+    """The drafter ``method.drafter`` names, built for this run. ``tree_cfg`` (the tree preset) reaches only
+    drafters declaring ``reads_tree_config`` (they shape their tree per context: EAGLE-2's dynamic tree)."""
+    cls = drafter_class(method.drafter)
+    if tree_cfg is not None and getattr(cls, "reads_tree_config", False):
+        return cls.from_config(method, tree, models, sampling, tree_cfg=tree_cfg)
+    return cls.from_config(method, tree, models, sampling)

@@ -192,11 +192,33 @@ def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.T
         return heads.head_logits(h.to(heads.heads[0][-1].weight.dtype), depth).float()  # (T, V)
 
 
+def _eagle_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+               ) -> torch.Tensor:
+    """q of the depth-``depth`` children of the EAGLE head along the trajectory: training-time-test rollout
+    step depth-1 (methods.heads.eagle.train.rollout), which is exactly the drafter's depth-d node with the
+    accepted path as its ancestors (tests/methods/test_eagle.py checks the two agree). Row r+d-2 holds the
+    node whose committed context ends at the root r."""
+    from methods.heads import trainer
+    from methods.heads.eagle.train import rollout
+
+    head = run.drafter.head
+    feats = trainer.target_features(run.models.target, seq[None].to(run.models.device),
+                                    tuple(run.drafter.feature_layers), desc="eagle law")
+    src = feats.layers if run.drafter.feature_layers else feats.hidden  # (1, T, k H)
+    w = head.fc.weight
+    with torch.inference_mode():
+        h0 = head.fuse(src[:, :-1].to(w.device, w.dtype))
+        g = rollout(head, h0, seq[None, 1:].to(w.device), depth - 1)[-1][0]  # (T-1, H)
+        return head.logits(g[roots + depth - 2]).float()  # (T', V)
+
+
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
 LAWS: dict[str, Law] = {  # drafter name → its law q
     "draft_model": _draft_model_law,
     "medusa": _medusa_law,
-    "staged": _draft_model_law,  # the spine's children are the draft model's top-k at the true prefix
+    "staged": _draft_model_law,
+    "eagle": _eagle_law,
+    "eagle3": _eagle_law,  # the spine's children are the draft model's top-k at the true prefix
 }
 # drafters whose proposals follow the verifications (Lookahead's Jacobi window lives on the target's outputs
 # at its lookahead branch): no star tree can be drawn off-line, their acceptance comes from the real loop
@@ -205,9 +227,9 @@ LOOP_DRAFTERS = frozenset({"lookahead"})
 
 def star_depths(run: _Run) -> int:
     """Depths that get their own star vector: Medusa's heads (head d drafts depth d); for a proposal drafter
-    (no law here) the depth tree's depth; 1 for a positional law (the draft model)."""
-    if run.cfg.method.drafter not in LAWS:
-        return max(1, run.tree.depth)
+    (no law here) and EAGLE's head the depth tree's depth; 1 for a positional law (the draft model)."""
+    if run.cfg.method.drafter not in LAWS or run.cfg.method.drafter in ("eagle", "eagle3"):
+        return max(1, run.tree.depth)  # EAGLE: its law at every depth of the depth tree
     heads = getattr(run.drafter, "heads", None)
     return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
 

@@ -31,6 +31,7 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.profiles import (
+    dynamic_tree_for,
     prediction_metrics,
     profile_config,
     profile_path,
@@ -110,7 +111,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions["verifier_used"] = cfg.method.verifier.value
     if tree is None:
         tree = run_tree(cfg)
-    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
+    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling, tree_cfg=cfg.tree)
     baseline = Autoregressive()
     backbone, backbone_name = backbone_of(drafter, models, cfg.model.name)  # one target for both sides
     target = ModelEngine(backbone)
@@ -144,6 +145,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["drafter_updates"] = [dict(u, after_measured_request=u["after_request"] - cfg.warmup)
                                       for u in updates]
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
+    if TreeKind(cfg.tree.kind) == TreeKind.dynamic and profile is not None:  # priced as its static DP tree
+        tree = dynamic_tree_for(cfg, profile)
+        metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specsim.acceptance import PositionalAcceptance
+from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
 from specsim.cost import CostModel, MeasuredCost
 from specsim.io import atomic_write_json, read_json
@@ -361,6 +361,16 @@ def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, 
               if cfg.hardware.measured else CostModel.from_config(scfg))
     tree = build_tree(scfg.tree, PositionalAcceptance(tuple(scfg.method.acceptance.vector)), sizing)
     return (tree, *tree_predictions(scfg, profile, tree))
+
+
+def dynamic_tree_for(cfg: RunConfig, profile: Profile) -> Tree:
+    """The static tree a dynamic (EAGLE-2) tree is priced as: the DP-optimal tree of total_tokens + 1 nodes
+    within depth + 1 levels and top_k children (specsim.trees.build_tree) under this drafter's measured
+    vectors; its τ is then taken under the measured per-depth vectors and its step under the measured t(n)
+    and draft time. The real tree re-ranks per context, so it can beat this context-free tree."""
+    mcfg = apply_profile(cfg, profile)
+    return build_tree(mcfg.tree, from_config(mcfg.method.acceptance),
+                      CostModel.from_config(mcfg, to_measured_cost(profile)))
 
 
 def profile_config(cfg: RunConfig) -> RunConfig:

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from methods.zoo.build import PRESETS, ZooPaths, ensure_zoo, preset, zoo_dir
+from methods.zoo.build import PRESETS, ZooPaths, cache_root, ensure_zoo, preset, zoo_dir
 
 
 def _train_line(role: str, t: dict) -> str:
@@ -46,6 +46,29 @@ def format_report(report: dict) -> str:
     for role in ("target_ms", "draft_ms"):
         cells = "  ".join(f"{n}:{v:.2f}({v / t1:.2f})" for n, v in tn[role].items())
         lines.append(f"    {role[:-3]:6s} {cells}")
+    return "\n".join(lines)
+
+
+def heads_report(paths: ZooPaths) -> str:
+    """Draft heads trained on this zoo's target (notes the head stores leave in ``<zoo>/heads/``): training
+    time and held-out top-1 accuracy per draft depth; and each drafter's measured τ on this device (its
+    calibration profile's chain in the real loop, ``loop_tau``)."""
+    notes = sorted(paths.target_dir.parent.glob("heads/*.json"))
+    if not notes:
+        return "  heads: none trained on this target yet"
+    lines = ["  heads (held-out top-1 accuracy by draft depth, greedy continuations of test prompts):"]
+    for f in notes:
+        n = json.loads(f.read_text())
+        acc = " ".join(f"{a:.3f}" for a in n["top1_by_depth"])
+        lines.append(f"    {n['variant']:7s} trained {n['train_seconds']:.0f} s "
+                     f"(load {n['loadavg_1min']:.1f}): {acc}  [{f.stem}]")
+    profiles = cache_root() / "profiles"
+    for f in sorted(profiles.glob("zoo-eagle*.json")):
+        d = json.loads(f.read_text())
+        tau = d.get("extra", {}).get("loop_tau")
+        if tau is not None:
+            lines.append(f"    measured tau {d['drafter']:7s} {d['workload']:8s} {tau:.3f} (chain of "
+                         f"{d['extra'].get('loop_tree_depth')}, {f.stem})")
     return "\n".join(lines)
 
 
@@ -86,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = json.loads(paths.report_path.read_text())
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if not args.json:
+        print(heads_report(paths))
     print(f"  dirs: target={paths.target_dir}\n        draft={paths.draft_dir}\n"
           f"        tokenizer={paths.tokenizer_dir}")
     return 0

@@ -391,3 +391,32 @@ def test_staged_profile_uses_the_draft_models_law(run_config, tiny_models, cache
     assert prof.acceptance_vectors_by_depth == ()  # one positional vector, as the draft model's
     _valid_vector(prof.acceptance_vector, 8)
     assert prof.draft_time_s > 0
+
+
+@pytest.mark.parametrize("method,extra", [("eagle", ()), ("eagle3", ("method.params.feature_layers=[0,1]",))])
+def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models, cache, method, extra):
+    """The EAGLE head's law at depth d (the training-time-test rollout along the trajectory) gives one
+    star vector per level of the method's tree; depth 1 is the positional vector."""
+    cfg = run_config(*SMALL, f"method={method}", "method.params.head=random", "tree=chain", "tree.gamma=3",
+                     *extra)
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    assert len(prof.acceptance_vectors_by_depth) == 3
+    assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    for v in prof.acceptance_vectors_by_depth:
+        _valid_vector(v, 8)
+
+
+def test_dynamic_tree_is_priced_as_the_best_static_tree_of_its_budget(run_config):
+    """EAGLE-2's tree is priced as the DP tree of total_tokens + 1 nodes, depth and top_k capped, under the
+    measured vectors: a better measured vector (more mass on rank 1) predicts a larger tau."""
+    from methods.measurement.profiles import dynamic_tree_for
+
+    cfg = run_config("method=eagle2", "tree=dynamic", "tree.total_tokens=12", "tree.depth=3", "tree.top_k=3")
+    weak = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.3, 0.2, 0.1, 0.4))
+    strong = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.8, 0.1, 0.05, 0.05))
+    taus = []
+    for prof in (weak, strong):
+        tree = dynamic_tree_for(cfg, prof)
+        assert tree.size <= 13 and tree.depth <= 3 and tree.width <= 3
+        taus.append(tree_predictions(cfg, prof, tree)[0]["predicted_tau"])
+    assert 1 < taus[0] < taus[1]

@@ -26,7 +26,7 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online"}
+TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online", "eagle", "eagle3"}
 _SAMPLED = [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
 Q_DRAFTERS = {"draft_model": _SAMPLED, "online": _SAMPLED, "specinfer": [Verifier.specinfer]}
 TEST_PARAMS = {
@@ -35,6 +35,8 @@ TEST_PARAMS = {
     "staged": {"stage2": "ngram", "stage2_gamma": 3, "order": 1},
     "specinfer": {"source": "copies", "drafts": 3},  # the draft and two perturbed copies, merged
     "online": {"update_every": 2, "steps": 1},  # learns between the test's decodes: must stay lossless
+    "eagle": {"head": "random"},  # untrained heads: fast; drafts mostly rejected (test_eagle.py accepts)
+    "eagle3": {"head": "random", "feature_layers": [0, 1]},
 }
 METHOD_FIELDS = {"lookahead": {"verify_extra_tokens": 2 + 2 * 3 + 2 * 3}}  # (W-1) + (N-2)W + (G-1)(N-1)
 MULTI_TOKEN = {"draft_model", "prompt_lookup", "lookahead"}  # must produce multi-token blocks in the EOS test
