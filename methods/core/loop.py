@@ -66,7 +66,8 @@ def decode(
         draft = _propose(drafter, ctx, target.device)
         sync()
         t1 = time.perf_counter()
-        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers)
+        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers,
+                                  resume=draft.resume)
         checked = verification_draft(draft)  # the nodes that may be accepted (all, for most drafters)
         path, next_token = _verify(checked, out.logits[: checked.tree.size], opts, generator)
         target.commit(path)
@@ -107,6 +108,9 @@ def _start(
     tokens = torch.empty(n_prompt + max_new, dtype=torch.long)  # committed sequence, host side
     tokens[:n_prompt] = prompt
     pre = target.prefill(prompt[:-1], hidden=want_hidden, layers=layers)
+    attach = getattr(drafter, "attach", None)  # self-drafting: the drafter runs part of the target's engine
+    if attach is not None:
+        attach(target)
     drafter.reset(prompt)
     hidden = pre.hidden if (want_hidden and pre is not None) else None
     return tokens, hidden, (pre.features if (layers and pre is not None) else None)
@@ -115,7 +119,7 @@ def _start(
 def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft:
     draft = limit_depth(drafter.propose(ctx), ctx.max_new)
     if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
-        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable)
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable, draft.resume)
     return draft
 
 
@@ -134,11 +138,13 @@ def _verify(
 
 
 def verification_draft(draft: Draft) -> Draft:
-    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft itself."""
+    """The draft's verification tree: nodes 0..n_verifiable-1 (closed under ancestors), or the draft
+    itself."""
     n = draft.verifiable
     if n == draft.tree.size:
         return draft
-    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], None if draft.q is None else draft.q[:n])
+    q = None if draft.q is None else draft.q[:n]
+    return Draft(subtree(draft.tree, list(range(n))), draft.tokens[:n], q)
 
 
 def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
@@ -156,6 +162,7 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     tree = draft.tree
     if tree.size <= max_depth + 1 or tree.depth <= max_depth:  # size first: Tree.depth is not memoised
         return draft
+    assert draft.resume is None, "a resumed draft (shared cache) must respect ctx.max_new itself"
     keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
     idx = torch.tensor(keep, device=draft.tokens.device)
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
