@@ -77,6 +77,9 @@ class MethodConfig:
     # cost per speculation step in target-forward units (e.g. Medusa heads: one pass for all depths)
     draft_cost_ratio: float = 0.0
     draft_fixed_ratio: float = 0.0
+    # simulator: self-speculation's shared cache (LayerSkip): the share ρ_v of the target's layers the draft
+    # already ran for the nodes it fed, which the verify pass does not recompute (E / L; 0 = none)
+    verify_reuse_ratio: float = 0.0
     draft_steps: str = "depth"  # "depth": one draft pass per tree level; "one": a single pass
     # simulator: "ratio" prices a draft step at draft_cost_ratio·t(1); "roofline" uses the draft model's
     # own roofline (model.draft_params, draft_n_layers, draft_hidden_size) on the same hardware
@@ -241,6 +244,8 @@ def validate(cfg: RunConfig) -> RunConfig:
 def _validate_method(m: MethodConfig) -> None:
     _check(m.draft_cost_ratio >= 0, "method.draft_cost_ratio", f"must be >= 0, got {m.draft_cost_ratio}")
     _check(m.draft_fixed_ratio >= 0, "method.draft_fixed_ratio", f"must be >= 0, got {m.draft_fixed_ratio}")
+    _check(0 <= m.verify_reuse_ratio < 1, "method.verify_reuse_ratio",
+           f"must be in [0, 1), got {m.verify_reuse_ratio}")
     _choice(m.draft_steps, "method.draft_steps", ("depth", "one"))
     _choice(m.draft_cost, "method.draft_cost", ("ratio", "roofline"))
     _check(

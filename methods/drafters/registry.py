@@ -15,6 +15,8 @@ DRAFTERS = MappingProxyType({
     "draft_model": "methods.drafters.vanilla:DraftModelDrafter",  # vanilla, specinfer, sequoia presets
     "prompt_lookup": "methods.drafters.prompt_lookup:PromptLookup",
     "medusa": "methods.drafters.medusa:MedusaDrafter",
+    "layerskip": "methods.drafters.layerskip:LayerSkipDrafter",  # self-speculative: early exit, shared KV
+    "draft_verify": "methods.drafters.draft_verify:DraftVerifyDrafter",  # self-speculative: skipped sublayers
 })
 
 

@@ -165,8 +165,24 @@ def _medusa_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.T
         return heads.head_logits(h.to(heads.heads[0][-1].weight.dtype), depth).float()  # (T, V)
 
 
+def _self_draft_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+                    ) -> torch.Tensor:
+    """q after each root from the drafter's own sub-layers of the target (``drafter.sub``: LayerSkip's early
+    exit, Draft & Verify's skipped sub-layers) over the true sequence. Positional: the draft reads the
+    target's KV of the committed prefix, exactly for LayerSkip at every depth (layers [0, E) of draft nodes
+    are the target's own); for Draft & Verify deeper drafts also read the earlier drafts' skipped-layer KV,
+    which this law does not (an approximation at depth > 1)."""
+    assert depth == 1, "the self-draft law is positional"
+    engine = run.target
+    engine.reset()
+    out = engine.extend(seq.to(engine.device), list(range(-1, seq.numel() - 1)), sub=run.drafter.sub)
+    engine.drop_pending()
+    return out.logits[roots]  # (T, V)
+
+
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
-LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law}  # drafter name → its law q
+LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law,  # drafter name → its law q
+                        "layerskip": _self_draft_law, "draft_verify": _self_draft_law}
 
 
 def star_depths(run: _Run) -> int:
