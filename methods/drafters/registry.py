@@ -17,6 +17,8 @@ DRAFTERS = MappingProxyType({
     "medusa": "methods.drafters.medusa:MedusaDrafter",
     "layerskip": "methods.drafters.layerskip:LayerSkipDrafter",  # self-speculative: early exit, shared KV
     "draft_verify": "methods.drafters.draft_verify:DraftVerifyDrafter",  # self-speculative: skipped sublayers
+    "eagle": "methods.drafters.eagle:EagleDrafter",  # EAGLE-1 / EAGLE-2 (tree=dynamic)
+    "eagle3": "methods.drafters.eagle:Eagle3Drafter",
 })
 
 
@@ -34,6 +36,10 @@ def drafter_class(name: str) -> type:
     return getattr(import_module(module), attr)
 
 
-def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling):
-    """The drafter ``method.drafter`` names, built for this run."""
-    return drafter_class(method.drafter).from_config(method, tree, models, sampling)
+def build_drafter(method: MethodConfig, tree: Tree | None, models, sampling, tree_cfg=None):
+    """The drafter ``method.drafter`` names, built for this run. ``tree_cfg`` (the tree preset) reaches only
+    drafters declaring ``reads_tree_config`` (they shape their tree per context: EAGLE-2's dynamic tree)."""
+    cls = drafter_class(method.drafter)
+    if tree_cfg is not None and getattr(cls, "reads_tree_config", False):
+        return cls.from_config(method, tree, models, sampling, tree_cfg=tree_cfg)
+    return cls.from_config(method, tree, models, sampling)

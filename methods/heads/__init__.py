@@ -1,1 +1,2 @@
-"""Floor 3, modules trained on a frozen target: Medusa heads (medusa/). Imports the core, data and the zoo."""
+"""Floor 3, modules trained on a frozen target: the shared training loop (trainer), Medusa heads (medusa/),
+EAGLE heads (eagle/). Imports the core, data and the zoo."""

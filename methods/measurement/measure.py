@@ -101,7 +101,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions["verifier_used"] = cfg.method.verifier.value
     if tree is None:
         tree = run_tree(cfg)
-    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)
+    drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling, tree_cfg=cfg.tree)
     baseline = Autoregressive()
     target = ModelEngine(models.target)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)

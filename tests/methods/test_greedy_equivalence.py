@@ -26,12 +26,14 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa"}
+TREE_DRAFTERS = {"draft_model", "medusa", "eagle", "eagle3"}
 Q_DRAFTERS = {"draft_model"}
 TEST_PARAMS = {
     "medusa": {"heads": "random", "num_heads": 4},
     "layerskip": {"exit_layer": 1},
     "draft_verify": {"skip": "config", "skip_attn": [1], "skip_mlp": [0], "exit_threshold": 0.2},
+    "eagle": {"head": "random"},  # untrained heads: fast; drafts mostly rejected (test_eagle.py accepts)
+    "eagle3": {"head": "random", "feature_layers": [0, 1]},
 }
 MULTI_TOKEN = {"draft_model", "prompt_lookup"}  # must produce multi-token blocks in the EOS test
 LENGTHS = (1, 6, 24)  # every boundary inside a block: test_max_new_tokens_cuts_a_fully_accepted_block

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from methods.heads import trainer
 from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.zoo.train import sample_batch
 
@@ -88,19 +88,10 @@ def head_labels(windows: torch.Tensor, greedy: torch.Tensor | None, num_heads: i
     return out
 
 
-@torch.no_grad()
-def target_features(
-    target: PreTrainedModel, windows: torch.Tensor, batch: int = 8
-) -> tuple[torch.Tensor, torch.Tensor]:
+def target_features(target: PreTrainedModel, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's last hidden states after the final norm (B, T, H) (float32, cpu), greedy tokens (B, T)."""
-    hs, gs = [], []
-    lm = target.get_output_embeddings()
-    for i in tqdm(range(0, len(windows), batch), desc="medusa: target features", leave=False):
-        ids = windows[i : i + batch].to(target.device)
-        h = target.base_model(input_ids=ids).last_hidden_state  # (b, T, H)
-        gs.append(lm(h).argmax(-1).cpu())
-        hs.append(h.float().cpu())
-    return torch.cat(hs), torch.cat(gs)
+    f = trainer.target_features(target, windows, desc="medusa: target features")
+    return f.hidden, f.greedy
 
 
 def _heads_loss(heads: MedusaHeads, h: torch.Tensor, labels: torch.Tensor, decay: float) -> torch.Tensor:
@@ -128,21 +119,15 @@ def train_medusa1(target: PreTrainedModel, tokens: torch.Tensor, cfg: TrainConfi
     h, greedy = target_features(target, windows)
     labels = head_labels(windows, greedy if cfg.teacher == "self" else None, cfg.num_heads)
     h, labels = h.reshape(-1, h.shape[-1]), labels.reshape(cfg.num_heads, -1)  # (N, H), (K, N)
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=max(cfg.steps, 1), pct_start=0.05)
-    losses = []
-    bar = tqdm(range(cfg.steps), desc="medusa-1: heads", leave=False)
-    for _ in bar:
-        idx = torch.randint(0, h.shape[0], (cfg.batch_tokens,), generator=g)
-        # bf16 autocast: ~2x faster matmuls on CPUs with AVX512-BF16 and on GPUs; fp32 master weights
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _heads_loss(heads, h[idx], labels[:, idx], cfg.head_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, h.shape[0], (cfg.batch_tokens,), generator=gen)
+        return h[idx], labels[:, idx]
+
+    loop = trainer.LoopConfig(cfg.steps, cfg.lr, desc="medusa-1: heads")
+    trainable = [p for p in heads.parameters() if p.requires_grad]
+    fitted = trainer.fit(trainable, batch, lambda b: _heads_loss(heads, *b, cfg.head_decay), loop, g)
+    losses = fitted.losses
     heads.eval()
     return TrainResult(heads, None, time.perf_counter() - start, losses)
 
@@ -155,17 +140,12 @@ def train_medusa2(target: PreTrainedModel, tokens: torch.Tensor, cfg: TrainConfi
     student = copy.deepcopy(target).float().cpu().train()
     original = target.eval()
     heads = first.heads.train()
-    opt = torch.optim.AdamW(
-        [
-            {"params": student.parameters(), "lr": cfg.backbone_lr},
-            {"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.lr / 4},
-        ],
-        weight_decay=0.0,
-    )
-    losses = list(first.losses)
-    bar = tqdm(range(cfg.joint_steps), desc="medusa-2: joint", leave=False)
-    for _ in bar:
-        ids = sample_windows(tokens, cfg.joint_batch, cfg.seq_len, g)
+    groups = [
+        {"params": list(student.parameters()), "lr": cfg.backbone_lr},
+        {"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.lr / 4},
+    ]
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             p_orig = original(input_ids=ids.to(original.device)).logits.float().cpu()  # (B, T, V)
         h = student.base_model(input_ids=ids).last_hidden_state  # (B, T, H)
@@ -176,13 +156,15 @@ def train_medusa2(target: PreTrainedModel, tokens: torch.Tensor, cfg: TrainConfi
         else:
             lm_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
             labels = head_labels(ids, None, cfg.num_heads)
-        loss = cfg.lm_weight * lm_loss + _heads_loss(heads, h, labels, cfg.head_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        return cfg.lm_weight * lm_loss + _heads_loss(heads, h, labels, cfg.head_decay)
+
+    # full precision, constant rates, the backbone's gradient clipped at norm 1 (the heads' is not)
+    loop = trainer.LoopConfig(
+        cfg.joint_steps, cfg.lr, "constant", clip=1.0, autocast=False, desc="medusa-2: joint"
+    )
+    windows = lambda gen: sample_windows(tokens, cfg.joint_batch, cfg.seq_len, gen)  # noqa: E731
+    fitted = trainer.fit(groups, windows, loss, loop, g, clip_params=groups[0]["params"])
+    losses = list(first.losses) + fitted.losses
     student.eval()
     return TrainResult(heads.eval(), student, first.seconds + time.perf_counter() - start, losses)
 

@@ -1,0 +1,282 @@
+"""EAGLE drafters (Li et al. 2024a EAGLE-1, 2024b EAGLE-2, 2025 EAGLE-3): a one-layer head autoregresses on
+the target's features and fills a tree level by level (p = target, q = head).
+
+Each step the committed tokens' target features (EAGLE-1: last hidden state; EAGLE-3: the fused
+``feature_layers``) are appended to the head's KV cache (methods.heads.eagle.state); the last row's g gives q
+of the root's children, and every expanded node is fed to the head (its parent's g, its token) for its own
+children: one head forward per level.
+- static trees (``tree=eagle``: EAGLE-1's tree; chain, k-ary, Sequoia, Medusa paths): a rank-r child is
+  q's top-r token (greedy / deterministic / typical verifiers, ``Draft.q`` = None: lossless at any
+  temperature with the deterministic rule), or the r-th draw from q (chain / specinfer with replacement,
+  sequoia without), with q rows returned for the rejection verifiers.
+- dynamic trees (``tree=dynamic``, EAGLE-2, also EAGLE-3's): per depth the ``top_k`` nodes with the largest
+  cumulative draft probability (product of q along the path) are expanded by their top_k children; after
+  ``depth`` levels all drafted nodes are reranked by that value and the best ``total_tokens`` verified.
+  Deterministic top-k drafts: greedy or deterministic verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
+from methods.core.loop import subtree
+from methods.core.sampling import SamplingParams, probs
+from methods.drafters.medusa import _draw
+from methods.heads.eagle.head import EagleHead
+from methods.heads.eagle.state import HeadCache
+from methods.heads.eagle.train import EagleTrainConfig, new_head
+from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
+from specsim.tree import Tree
+
+_SAMPLED = {Verifier.specinfer: "with_replacement", Verifier.chain: "with_replacement",
+            Verifier.sequoia: "without"}
+
+
+@dataclass(frozen=True)
+class EagleParams:
+    """``method.params`` of the eagle / eagle3 drafters."""
+
+    head: str = "train"  # train (cached: methods.heads.eagle.store) | a published-layout directory | random
+    feature_layers: tuple[int, ...] = ()  # eagle3: three distinct target decoder layers (0-based)
+    steps: int = 300
+    ttt_steps: int = 0  # eagle3's training-time test rollout steps
+    seed: int = 0
+    train: dict = field(default_factory=dict)  # further EagleTrainConfig fields
+
+    def train_config(self, variant: str) -> EagleTrainConfig:
+        extra = dict(self.train)
+        if variant == "eagle3":
+            extra.setdefault("noise", 0.0)
+        return EagleTrainConfig(variant=variant, feature_layers=tuple(self.feature_layers), steps=self.steps,
+                                ttt_steps=self.ttt_steps, seed=self.seed, **extra)
+
+    @classmethod
+    def from_method(cls, method: MethodConfig) -> EagleParams:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(method.params) - known
+        if unknown:
+            raise ValueError(f"method.params: unknown eagle keys {sorted(unknown)}; allowed {sorted(known)}")
+        mine = dict(method.params)
+        if "train" in mine:
+            mine["train"] = dict(mine["train"])
+        if "feature_layers" in mine:
+            mine["feature_layers"] = tuple(int(x) for x in mine["feature_layers"])
+        return cls(**mine)
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """EAGLE-2's tree: ``depth`` levels, ``top_k`` expanded nodes × children per level, ``total_tokens``."""
+
+    total_tokens: int
+    depth: int
+    top_k: int
+
+
+class EagleDrafter:
+    needs_hidden_states = True
+    variant = "eagle1"
+    reads_tree_config = True  # registry: from_config also gets the tree preset (dynamic trees)
+
+    def __init__(self, head: EagleHead, tree: Tree | Dynamic, sampling: SamplingParams, mode: str = "topk"):
+        assert mode in ("topk", "with_replacement", "without"), f"unknown candidate mode {mode!r}"
+        self.head, self.sampling, self.mode = head.eval(), sampling, mode
+        self.dynamic = tree if isinstance(tree, Dynamic) else None
+        self.tree = tree if isinstance(tree, Tree) else _dynamic_budget(tree)
+        self.feature_layers = head.cfg.feature_layers if head.cfg.variant == "eagle3" else ()
+        self.needs_hidden_states = head.cfg.variant == "eagle1"
+        self.cache = HeadCache(self.head)
+
+    @classmethod
+    def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams,
+                    tree_cfg: TreeConfig | None = None) -> EagleDrafter:
+        ep = EagleParams.from_method(method)
+        head = _head(ep, cls.variant, models)
+        verifier = Verifier(method.verifier)
+        if tree_cfg is not None and TreeKind(tree_cfg.kind) == TreeKind.dynamic:
+            if verifier not in (Verifier.greedy, Verifier.deterministic):
+                raise ValueError(f"dynamic trees are deterministic top-k drafts: use verifier=deterministic "
+                                 f"(or greedy), not {verifier.value}")
+            return cls(head, Dynamic(tree_cfg.total_tokens, tree_cfg.depth, tree_cfg.top_k), sampling)
+        tree = tree if tree is not None else Tree.chain(5)
+        if verifier == Verifier.chain and tree.width > 1:
+            raise ValueError(f"verifier chain needs a chain tree, got {tree}: use specinfer or sequoia")
+        return cls(head, tree, sampling, "topk" if sampling.greedy else _SAMPLED.get(verifier, "topk"))
+
+    # ---- protocol -----------------------------------------------------------------------------------
+    def reset(self, prompt: torch.Tensor) -> None:
+        self.cache.reset()
+
+    def feedback(self, fb: StepFeedback) -> None:
+        """Nothing to learn: the accepted tokens' features arrive in the next DraftContext."""
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Draft:
+        self._catch_up(ctx)
+        root = int(ctx.tokens[-1])
+        depth = min(self.dynamic.depth if self.dynamic else self.tree.depth, ctx.max_new - 1)
+        if self.cache.last is None or depth < 1:
+            return root_only(root, ctx.tokens.device)
+        try:
+            if self.dynamic is not None:
+                parents, tokens, ranks = self._dynamic(root, depth)
+                ids = torch.tensor(tokens, device=ctx.tokens.device)
+                return Draft(Tree.from_parents(parents, ranks), ids)
+            return self._static(root, depth, ctx)
+        finally:
+            self.cache.drop_pending()
+
+    def _catch_up(self, ctx: DraftContext) -> None:
+        """Append the committed rows not yet in the head's cache: features of x_j paired with x_{j+1}."""
+        src = ctx.features if self.feature_layers else ctx.hidden
+        if src is None or src.shape[0] == 0:
+            return
+        n, t = src.shape[0], ctx.tokens.shape[0]
+        assert self.cache.length == t - 1 - n, f"head cache {self.cache.length} rows, expected {t - 1 - n}"
+        p = self.head.fc.weight
+        h = self.head.fuse(src.to(p.device, p.dtype))
+        self.cache.append(h, ctx.tokens[t - n :].to(p.device))
+
+    # ---- static trees --------------------------------------------------------------------------------
+    def _static(self, root: int, depth: int, ctx: DraftContext) -> Draft:
+        tree = _cut(self.tree, depth)
+        N, V = tree.size, self.head.cfg.vocab_size
+        tokens = torch.full((N,), root, dtype=torch.long)
+        q = torch.zeros(N, V) if self.mode != "topk" else None
+        keep = np.ones(N, dtype=bool)
+        g = {0: self.cache.last}
+        logits = {0: self.head.logits(self.cache.last).float()}
+        row: dict[int, int] = {}  # fed node → its pending row
+        kids = tree.children
+        for d in range(1, depth + 1):
+            level = [i for i in range(N) if tree.depths[i] == d - 1 and keep[i] and kids[i]]
+            for p in level:
+                self._fill(p, kids[p], tree, logits[p], tokens, q, keep, ctx.generator)
+            fed = [i for i in range(N) if tree.depths[i] == d and keep[i] and kids[i]] if d < depth else []
+            if fed:
+                see = torch.zeros(len(fed), len(row), dtype=torch.bool)
+                for j, i in enumerate(fed):
+                    a = tree.parents[i]
+                    while a > 0:
+                        see[j, row[a]] = True
+                        a = tree.parents[a]
+                h = torch.stack([g[tree.parents[i]] for i in fed])
+                out = self.cache.feed(h, tokens[fed].to(h.device), d, see.to(h.device))
+                z = self.head.logits(out).float()
+                for j, i in enumerate(fed):
+                    g[i], logits[i], row[i] = out[j], z[j], len(row)
+        keep_idx = np.flatnonzero(keep).tolist()
+        dev = ctx.tokens.device
+        if len(keep_idx) < N:
+            tree = subtree(tree, keep_idx)
+            tokens = tokens[keep_idx]
+            q = q[keep_idx] if q is not None else None
+        return Draft(tree, tokens.to(dev), None if q is None else q.to(dev))
+
+    def _fill(self, p: int, kids, tree: Tree, logits: torch.Tensor, tokens, q, keep, gen) -> None:
+        """Tokens of node p's children: q's top-r (r = rank) or the r-th draw; children beyond q's support
+        (without replacement) are dropped with their subtrees."""
+        width = max(tree.ranks[k] for k in kids) + 1
+        if self.mode == "topk":
+            cands = logits.topk(width).indices.cpu()
+        else:
+            qp = probs(logits, self.sampling)
+            q[p] = qp.cpu()
+            cands = _draw(qp, width, self.mode, gen).cpu()
+        for k in kids:
+            if tree.ranks[k] < cands.numel():
+                tokens[k] = cands[tree.ranks[k]]
+            else:
+                keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
+
+    # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------
+    def _dynamic(self, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
+        """(parents, tokens, ranks) of the best ``total_tokens`` drafted nodes, parents first."""
+        K = self.dynamic.top_k
+        lp = self.head.logits(self.cache.last).float().log_softmax(-1)
+        top = lp.topk(K)
+        par, tok, rank = [-1] * K, top.indices.tolist(), list(range(K))  # drafted nodes (root excluded)
+        score, dep = top.values.tolist(), [1] * K
+        g: dict[int, torch.Tensor] = {-1: self.cache.last}
+        row: dict[int, int] = {}
+        frontier = list(range(K))
+        for d in range(2, depth + 1):
+            see = torch.zeros(len(frontier), len(row), dtype=torch.bool)
+            for j, i in enumerate(frontier):
+                a = par[i]
+                while a >= 0:
+                    see[j, row[a]] = True
+                    a = par[a]
+            h = torch.stack([g[par[i]] for i in frontier])
+            out = self.cache.feed(h, torch.tensor([tok[i] for i in frontier], device=h.device), d - 1,
+                                  see.to(h.device))
+            top = self.head.logits(out).float().log_softmax(-1).topk(K)  # (n, K)
+            new = []
+            for j, i in enumerate(frontier):
+                g[i], row[i] = out[j], len(row)
+                for r in range(K):
+                    par.append(i), tok.append(int(top.indices[j, r])), rank.append(r)
+                    score.append(score[i] + float(top.values[j, r])), dep.append(d)
+                    new.append(len(tok) - 1)
+            frontier = sorted(new, key=lambda i: -score[i])[:K]
+        return _rerank(par, tok, rank, score, dep, self.dynamic.total_tokens, root)
+
+
+def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[int], list[int]]:
+    """Keep the ``total`` best drafted nodes by cumulative log q (shallower first on ties, so a kept node's
+    ancestors are kept: scores never increase along a path), renumbered parents-first."""
+    best = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:total]
+    chosen = sorted(best, key=lambda i: (dep[i], i))
+    index = {old: new + 1 for new, old in enumerate(chosen)}
+    assert all(par[i] < 0 or par[i] in index for i in chosen), "a kept node lost its parent"
+    parents = [-1] + [0 if par[i] < 0 else index[par[i]] for i in chosen]
+    return parents, [root] + [tok[i] for i in chosen], [0] + [rank[i] for i in chosen]
+
+
+def _descends(tree: Tree, j: int, k: int) -> bool:
+    while j > k:
+        j = tree.parents[j]
+    return j == k
+
+
+def _cut(tree: Tree, depth: int) -> Tree:
+    if tree.depth <= depth:
+        return tree
+    return subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
+
+
+def _dynamic_budget(dyn: Dynamic) -> Tree:
+    """The static tree reported for a dynamic one (its size and depth): a k-ary tree cut to total_tokens."""
+    full = Tree.kary(dyn.top_k, dyn.depth)
+    return subtree(full, list(range(min(full.size, dyn.total_tokens + 1))))
+
+
+class Eagle3Drafter(EagleDrafter):
+    variant = "eagle3"
+
+
+def _head(ep: EagleParams, variant: str, models) -> EagleHead:
+    """Train (cached) / load / randomly initialise the head, on the target's device and dtype."""
+    target = models.target
+    if ep.head == "random":  # an untrained head: fast tests of the drafting machinery
+        cfg = ep.train_config(variant).head_config(target)
+        head = new_head(target, cfg, ep.seed)
+    elif ep.head == "train":
+        from methods.heads.eagle.checkpoint import load_eagle
+        from methods.heads.eagle.store import ensure_eagle  # heavy (corpus, training): only when asked
+
+        built = ensure_eagle(target, models.tokenizer, ep.train_config(variant))
+        head, _ = load_eagle(built.head_dir, target)
+    else:
+        from methods.heads.eagle.checkpoint import load_eagle
+
+        head, _ = load_eagle(Path(ep.head), target)
+    if head.cfg.variant != variant:
+        raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
+    w = target.get_output_embeddings().weight
+    return head.to(device=w.device, dtype=w.dtype).eval()

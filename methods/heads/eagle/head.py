@@ -1,0 +1,157 @@
+"""EAGLE draft heads (Li et al. 2024a "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty";
+Li et al. 2025 "EAGLE-3: Scaling up Inference Acceleration ... via Training-Time Test"), p = target, q = head.
+
+Row i of the head reads a feature h_i of token x_i and the embedding e_{i+1} of the token one step ahead and
+outputs g_i, its guess of the target's feature f_{i+1}; the logits of q(x_{i+2}) come from g_i. At
+committed positions h_i is the target's (EAGLE-1: f_i, the last hidden state before the LM head; EAGLE-3:
+fc(low ++ mid ++ high layer outputs)); at draft positions it is the head's own g of the parent node.
+- eagle1: x = fc(e ++ h) (2H → H, bias) → one Llama decoder layer (without the first input norm, as EAGLE-1)
+  → the target's frozen LM head on g.
+- eagle3: residual h; attention reads norm_e(e) ++ norm_h(h) (2H wide q/k/v); MLP; final norm → its own LM
+  head over a draft vocabulary (d2t[i]: target id = i + d2t[i], EAGLE-3's map; the identity by default).
+The embedding (and EAGLE-1's LM head) are the target's, frozen, held as buffers, never saved.
+One layer, explicit K/V: ``project`` gives rotated q, k, v of rows, ``attend`` mixes them with any key set
+and additive mask, so the training rollout and the drafter's tree share the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    variant: str  # eagle1 | eagle3
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # eagle3's LM head rows (= vocab_size for eagle1)
+    feature_layers: tuple[int, ...] = ()  # eagle3: target decoder layers fused by fc (() = last hidden)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        assert self.variant in ("eagle1", "eagle3"), f"unknown EAGLE variant {self.variant!r}"
+        assert self.variant == "eagle3" or self.draft_vocab_size == self.vocab_size
+        assert len(set(self.feature_layers)) == len(self.feature_layers), "feature layers must be distinct"
+
+    @property
+    def n_features(self) -> int:
+        return max(1, len(self.feature_layers))
+
+    @classmethod
+    def for_target(cls, target, variant: str, feature_layers=(), draft_vocab_size: int | None = None):
+        c = target.config
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(variant, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                   c.num_key_value_heads or c.num_attention_heads, hd, c.vocab_size,
+                   draft_vocab_size or c.vocab_size, tuple(int(x) for x in feature_layers), float(theta),
+                   float(c.rms_norm_eps))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half convention) of x (..., T, n, d) at positions pos (..., T)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = pos.to(torch.float32)[..., None] * inv  # (..., T, d/2)
+    cos, sin = torch.cat([ang, ang], -1).cos()[..., None, :], torch.cat([ang, ang], -1).sin()[..., None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: EagleConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        width = H if cfg.variant == "eagle1" else 2 * H  # the attention's input
+        self.fc = nn.Linear(cfg.n_features * H + (H if cfg.variant == "eagle1" else 0), H,
+                            bias=cfg.variant == "eagle1")
+        self.q_proj = nn.Linear(width, n * d, bias=False)
+        self.k_proj = nn.Linear(width, kv * d, bias=False)
+        self.v_proj = nn.Linear(width, kv * d, bias=False)
+        self.o_proj = nn.Linear(n * d, H, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(H))
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        self.register_buffer("embed", embed.detach().clone(), persistent=False)  # (V, H) the target's
+        if cfg.variant == "eagle3":
+            self.embed_norm = nn.Parameter(torch.ones(H))
+            self.hidden_norm = nn.Parameter(torch.ones(H))
+            self.norm = nn.Parameter(torch.ones(H))
+            self.lm_head = nn.Parameter(lm_head.detach().clone()[: cfg.draft_vocab_size])  # (Vd, H)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # (V, H) frozen
+
+    # ---- pieces --------------------------------------------------------------------------------------
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The committed rows' h from the target's features (..., k H): EAGLE-3's fc, EAGLE-1's identity."""
+        return self.fc(features) if self.cfg.variant == "eagle3" else features
+
+    def project(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor):
+        """Rows (..., T): residual (..., T, H) and rotated q (..., T, n, d), k, v (..., T, kv, d)."""
+        c, e = self.cfg, self.embed[tokens]
+        if c.variant == "eagle1":
+            res = self.fc(torch.cat([e.to(h.dtype), h], -1))
+            x = res
+        else:
+            res = h
+            x = torch.cat([rms_norm(e.to(h.dtype), self.embed_norm, c.rms_eps),
+                           rms_norm(h, self.hidden_norm, c.rms_eps)], -1)
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(*shape, c.num_kv_heads, c.head_dim)
+        return res, rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
+
+    def attend(self, res, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """g of the query rows: q (B, T, n, d) over keys k, v (B, S, kv, d) under the additive mask (T, S)
+        (None = causal, S = T); residual + attention, then the MLP block."""
+        c = self.cfg
+        rep = c.num_heads // c.num_kv_heads
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, d)
+        if rep > 1:
+            kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
+        m = None if mask is None else mask.to(qt.dtype)
+        a = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, is_causal=mask is None)
+        x = res + self.o_proj(a.transpose(1, 2).reshape(*res.shape[:-1], -1))
+        y = rms_norm(x, self.post_norm, c.rms_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the TARGET vocabulary (..., V); EAGLE-3's draft vocabulary is scattered to its
+        target ids, the rest get -inf."""
+        c = self.cfg
+        if c.variant == "eagle1":
+            return g @ self.lm_head.to(g.dtype).T
+        z = rms_norm(g, self.norm, c.rms_eps) @ self.lm_head.to(g.dtype).T  # (..., Vd)
+        if c.draft_vocab_size == c.vocab_size and not self.d2t.any():
+            return z
+        out = z.new_full((*z.shape[:-1], c.vocab_size), float("-inf"))
+        return out.index_copy(-1, torch.arange(c.draft_vocab_size, device=z.device) + self.d2t, z)
+
+    def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """g over causal rows (B, T): h (B, T, H), tokens (B, T) = x_{i+1}, pos (B, T) or (T,)."""
+        return self.attend(*self.project(h, tokens, pos), None)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]

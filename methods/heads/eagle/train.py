@@ -1,0 +1,188 @@
+"""Training EAGLE heads on a frozen target (EAGLE-1: Li et al. 2024a; EAGLE-3: Li et al. 2025), p = target.
+
+Data: windows of the train split; the frozen target's features (methods.heads.trainer.target_features) are
+computed once and cached. Row i of a window reads (h_i, x_{i+1}) and is scored against the target at i+1:
+its feature f_{i+1} and its law p(·|x_≤i+1) = softmax(lm_head(f_{i+1})) (recomputed per batch from f_{i+1},
+so no (T, V) table is stored).
+- EAGLE-1: L = SmoothL1(g, f_{i+1}) + w_ce · CE(p, q), with uniform noise U(-noise, noise) on the input
+  features (the paper's augmentation against its own feature errors at draft time).
+- EAGLE-3 "training-time test": ``ttt_steps`` further rollout steps in which row i reads the head's OWN
+  previous-step output for row i-1 in place of the target's feature, attending as a depth-s draft node does
+  (the target-fed rows up to i-s, its own ancestors on the diagonals); L = Σ_s decay^s CE(p, q_s), no
+  feature loss. ``rollout`` is also how per-depth held-out accuracy is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from methods.heads import trainer
+from methods.heads.eagle.head import EagleConfig, EagleHead
+from methods.zoo.train import sample_batch
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    variant: str = "eagle1"
+    feature_layers: tuple[int, ...] = ()  # eagle3: three distinct target layers (0-based decoder outputs)
+    steps: int = 300
+    lr: float = 1e-3
+    batch_windows: int = 8
+    train_windows: int = 192  # windows whose target features are cached
+    seq_len: int = 128
+    noise: float = 0.1  # EAGLE-1's U(-0.1, 0.1) feature noise; 0 for eagle3 (its TTT replaces it)
+    ce_weight: float = 0.1  # EAGLE-1's weight of the token loss next to the feature regression
+    ttt_steps: int = 0  # eagle3: extra rollout steps (the paper uses 6 more; fewer for our time budget)
+    step_decay: float = 0.8  # eagle3: loss weight of rollout step s is decay^s
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.variant in ("eagle1", "eagle3"), self.variant
+        assert self.variant == "eagle1" or len(self.feature_layers) >= 1, "eagle3 needs feature_layers"
+
+    def head_config(self, target: PreTrainedModel) -> EagleConfig:
+        layers = self.feature_layers if self.variant == "eagle3" else ()
+        return EagleConfig.for_target(target, self.variant, layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EagleTrainResult:
+    head: EagleHead
+    seconds: float
+    losses: list[float]
+
+
+def new_head(target: PreTrainedModel, cfg: EagleConfig, seed: int = 0) -> EagleHead:
+    """A freshly initialised head for ``target`` (its embedding and LM head, frozen, inside)."""
+    torch.manual_seed(seed)  # nn.Linear's init; the run's generators are untouched
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    lm = target.get_output_embeddings().weight.detach().float().cpu()
+    return EagleHead(cfg, embed, lm)
+
+
+def committed_input(head: EagleHead, feats: trainer.Features) -> torch.Tensor:
+    """h of the committed rows (B, T, H): the last hidden state (eagle1) or the fused layers (eagle3)."""
+    return head.fuse(feats.layers) if head.cfg.variant == "eagle3" else feats.hidden
+
+
+def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
+    """(T, (step+1) T) additive mask of rollout step ``step``: row i sees target-fed rows c <= i - step and,
+    in each later step j = 1..step, the row i - step + j (its depth-j ancestor; j = step is itself)."""
+    i = torch.arange(T, device=device)[:, None]
+    c = torch.arange(T, device=device)[None, :]
+    blocks = [c <= i - step] + [c == i - step + j for j in range(1, step + 1)]
+    ok = torch.cat(blocks, dim=1)
+    return torch.zeros(ok.shape, device=device).masked_fill(~ok, float("-inf"))
+
+
+def rollout(head: EagleHead, h0: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """g of rollout steps 0..steps over rows (B, T): h0 (B, T, H) target-fed, tokens (B, T) = x_{i+1}.
+    Step s row i stands for a depth-(s+1) draft node whose committed context ends at row i - s."""
+    B, T, _ = h0.shape
+    pos = torch.arange(T, device=h0.device)
+    res, q, k, v = head.project(h0, tokens, pos)
+    g = head.attend(res, q, k, v, None)
+    outs, ks, vs = [g], [k], [v]
+    for s in range(1, steps + 1):
+        h = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # row i reads step s-1's row i-1
+        res, q, k, v = head.project(h, tokens, pos)
+        ks.append(k)
+        vs.append(v)
+        g = head.attend(res, q, torch.cat(ks, 1), torch.cat(vs, 1), ttt_mask(T, s, h0.device))
+        outs.append(g)
+    return outs
+
+
+def _soft_ce(logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of q (logits) against the target's law p (logits), per row."""
+    return -(p_logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
+
+
+@dataclass
+class Batch:
+    """b windows' rows i = 0..T-2: target-fed input h (b, T-1, H or k H), tokens x_{i+1}, and the target at
+    i+1: feature f_{i+1} and logits lm_head(f_{i+1})."""
+
+    h: torch.Tensor
+    tokens: torch.Tensor
+    f_next: torch.Tensor
+    p_logits: torch.Tensor
+    noise: torch.Tensor | None = None  # (b, T-1, H) EAGLE-1's uniform noise
+
+
+def make_batch(feats: trainer.Features, windows: torch.Tensor, idx: torch.Tensor, lm: torch.Tensor) -> Batch:
+    src = feats.layers if feats.layers is not None else feats.hidden
+    f_next = feats.hidden[idx, 1:]
+    return Batch(src[idx, :-1], windows[idx, 1:], f_next, f_next @ lm.T)
+
+
+def loss(head: EagleHead, b: Batch, cfg: EagleTrainConfig) -> torch.Tensor:
+    """EAGLE-1: SmoothL1(g, f_{i+1}) + ce_weight · CE(p, q); EAGLE-3: Σ_s decay^s CE(p, q_s), rows of step s
+    whose input came from a padded row (i < s) excluded."""
+    h0 = head.fuse(b.h)
+    if b.noise is not None:
+        h0 = h0 + b.noise.to(h0.dtype)
+    outs = rollout(head, h0, b.tokens, cfg.ttt_steps)
+    weight = cfg.ce_weight if cfg.variant == "eagle1" else 1.0
+    total = h0.new_zeros((), dtype=torch.float32)
+    for s, g in enumerate(outs):
+        total = total + weight * cfg.step_decay**s * _soft_ce(head.logits(g), b.p_logits)[:, s:].mean()
+    if cfg.variant == "eagle1":
+        total = total + F.smooth_l1_loss(outs[0].float(), b.f_next.float())
+    return total
+
+
+def train(target: PreTrainedModel, tokens: torch.Tensor, cfg: EagleTrainConfig) -> EagleTrainResult:
+    """A head for the frozen ``target`` trained on the 1-D train-token stream ``tokens``."""
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(cfg.seed)
+    head = new_head(target, cfg.head_config(target), cfg.seed).train()
+    windows = sample_batch(tokens, cfg.train_windows, cfg.seq_len, g)  # (N, T)
+    layers = head.cfg.feature_layers if cfg.variant == "eagle3" else ()
+    feats = trainer.target_features(target, windows, layers, desc=f"{cfg.variant}: target features")
+    lm = head.lm_head if cfg.variant == "eagle1" else target.get_output_embeddings().weight.detach().float()
+
+    def batch(gen: torch.Generator) -> Batch:
+        idx = torch.randint(0, len(windows), (cfg.batch_windows,), generator=gen)
+        b = make_batch(feats, windows, idx, lm)
+        if cfg.noise > 0:  # noise on the features the head reads (EAGLE-1 adds it to the target's f)
+            b.noise = (torch.rand(b.f_next.shape, generator=gen) * 2 - 1) * cfg.noise
+        return b
+
+    loop = trainer.LoopConfig(cfg.steps, cfg.lr, clip=0.5, desc=f"{cfg.variant}: head")
+    fitted = trainer.fit(head.trainable(), batch, lambda b: loss(head, b, cfg), loop, g)
+    return EagleTrainResult(head.eval(), time.perf_counter() - start, fitted.losses)
+
+
+@torch.no_grad()
+def depth_accuracy(head: EagleHead, target: PreTrainedModel, windows: torch.Tensor, depths: int,
+                   start: int = 0) -> np.ndarray:
+    """(depths,) top-1 accuracy of the head at draft depth d = 1..depths: the fraction of rows i >= start
+    where rollout step d-1 (fed the true tokens, its own features beyond the committed context) names the
+    target's greedy token after x_≤i+1 — the conditional acceptance of a depth-d chain node under greedy
+    verification. On greedy continuations (start = prompt length - 2: the first root is the last prompt
+    token) this is what decoding sees."""
+    layers = head.cfg.feature_layers if head.cfg.variant == "eagle3" else ()
+    hits, counts = np.zeros(depths), np.zeros(depths)
+    for i in range(0, len(windows), 8):
+        w = windows[i : i + 8]
+        feats = trainer.target_features(target, w, layers, desc="eagle: held-out features")
+        b = make_batch(feats, w, torch.arange(len(w)), head.lm_head if head.cfg.variant == "eagle1"
+                       else target.get_output_embeddings().weight.detach().float())
+        outs = rollout(head, head.fuse(b.h), b.tokens, depths - 1)
+        greedy = feats.greedy[:, 1:]  # (b, T-1) the target's greedy token after x_≤i+1
+        for s, g in enumerate(outs):
+            lo = s + start  # rows whose committed context (up to row i - s) reaches the start
+            hit = head.logits(g[:, lo:]).argmax(-1) == greedy[:, lo:]
+            hits[s] += float(hit.sum())
+            counts[s] += hit.numel()
+    return hits / np.maximum(counts, 1)

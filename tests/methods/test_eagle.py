@@ -1,0 +1,167 @@
+"""EAGLE heads and drafters: the decode-time cache agrees with the training rollout, static and dynamic trees
+stay greedy-exact, training lowers the loss, checkpoints round-trip in the published layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from methods.core.engine import ModelEngine
+from methods.core.loop import DecodeOptions, decode
+from methods.core.sampling import SamplingParams
+from methods.drafters.autoregressive import Autoregressive
+from methods.drafters.eagle import EagleDrafter, _rerank
+from methods.drafters.registry import build_drafter
+from methods.heads import trainer
+from methods.heads.eagle.checkpoint import load_eagle, names, save_eagle
+from methods.heads.eagle.state import HeadCache
+from methods.heads.eagle.train import EagleTrainConfig, new_head, rollout, train, ttt_mask
+from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
+from specsim.tree import Tree
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _random_head(target, variant="eagle1", layers=(), seed=0):
+    cfg = EagleTrainConfig(variant=variant, feature_layers=layers).head_config(target)
+    head = new_head(target, cfg, seed)
+    with torch.no_grad():  # non-trivial norms / d2t-free EAGLE-3 head
+        for name, p in head.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return head.eval()
+
+
+def test_ttt_mask_is_the_draft_nodes_view():
+    m = ttt_mask(5, 2) == 0  # (5, 15)
+    # step 2, row 4: target-fed rows 0..2, step-1 row 3, itself (step-2 row 4)
+    assert m[4, :5].tolist() == [True, True, True, False, False]
+    assert m[4, 5:10].tolist() == [False, False, False, True, False]
+    assert m[4, 10:].tolist() == [False, False, False, False, True]
+    assert (m.sum(1) >= 1).all()
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_decode_cache_matches_the_training_rollout(tiny_models, variant, layers):
+    """Appending committed rows in pieces and feeding a chain level by level gives the same g as the
+    training-time rollout (steps 0..2): the two attention layouts agree."""
+    target = tiny_models.target
+    head = _random_head(target, variant, layers)
+    seq = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
+    f = trainer.target_features(target, seq, layers)
+    h0 = head.fuse((f.layers if layers else f.hidden)[:, :-1])
+    toks = seq[:, 1:]
+    with torch.no_grad():
+        outs = rollout(head, h0, toks, 2)
+        cache = HeadCache(head)
+        cache.append(h0[0, :7], toks[0, :7])
+        cache.append(h0[0, 7:12], toks[0, 7:12])  # rows 0..11 committed; root = seq[12]
+        torch.testing.assert_close(cache.last, outs[0][0, 11], rtol=1e-4, atol=1e-5)
+        g1 = cache.feed(cache.last[None], toks[0, 12:13], 1, torch.zeros(1, 0, dtype=torch.bool))
+        torch.testing.assert_close(g1[0], outs[1][0, 12], rtol=1e-4, atol=1e-5)
+        g2 = cache.feed(g1, toks[0, 13:14], 2, torch.ones(1, 1, dtype=torch.bool))
+        torch.testing.assert_close(g2[0], outs[2][0, 13], rtol=1e-4, atol=1e-5)
+
+
+def _method(name: str, verifier=Verifier.greedy, **params) -> MethodConfig:
+    return MethodConfig(name=name, drafter=name, verifier=verifier, params={"head": "random", **params})
+
+
+DYNAMIC = TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=12, depth=4, top_k=3)
+
+
+@pytest.mark.parametrize("name,params", [("eagle", {}), ("eagle3", {"feature_layers": [0, 1]})])
+def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, params):
+    drafter = build_drafter(_method(name, **params), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
+    assert isinstance(drafter, EagleDrafter) and drafter.dynamic is not None
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    sizes = []
+    real = drafter.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        sizes.append((d.tree.size, d.tree.depth))
+        return d
+
+    drafter.propose = spy
+    for v in (Verifier.greedy, Verifier.deterministic):
+        assert decode(engine, drafter, prompt, DecodeOptions(v, GREEDY, 30), g).token_ids == ref
+    assert all(n <= 13 and d <= 4 for n, d in sizes) and max(n for n, _ in sizes) == 13
+
+
+def test_dynamic_tree_refuses_sampling_verifiers(tiny_models):
+    with pytest.raises(ValueError, match="deterministic"):
+        build_drafter(_method("eagle", Verifier.specinfer), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
+
+
+def test_rerank_keeps_the_best_nodes_parents_first():
+    # drafted: 1-level a(-0.1), b(-1.0); a's children c(-0.3), d(-2.0); c's child e(-0.4)
+    par, tok, rank = [-1, -1, 0, 0, 2], [10, 11, 12, 13, 14], [0, 1, 0, 1, 0]
+    score, dep = [-0.1, -1.0, -0.3, -2.0, -0.4], [1, 1, 2, 2, 3]
+    parents, tokens, ranks = _rerank(par, tok, rank, score, dep, 3, 99)
+    assert tokens == [99, 10, 12, 14] and parents == [-1, 0, 1, 2] and ranks == [0, 0, 0, 0]
+    Tree.from_parents(parents, ranks)
+
+
+def test_eagle_training_lowers_the_loss(tiny_models):
+    toks = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(0))
+    for cfg in (EagleTrainConfig(steps=30, train_windows=8, seq_len=24, batch_windows=4, lr=3e-3),
+                EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), steps=30, train_windows=8,
+                                 seq_len=24, batch_windows=4, ttt_steps=2, noise=0.0, lr=3e-3)):
+        r = train(tiny_models.target, toks, cfg)
+        assert len(r.losses) == 30
+        assert sum(r.losses[-5:]) < sum(r.losses[:5]), cfg.variant
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_checkpoint_round_trip_in_the_published_layout(tiny_models, tmp_path, variant, layers):
+    target = tiny_models.target
+    head = _random_head(target, variant, layers)
+    save_eagle(head, tmp_path / "h", meta={"x": 1})
+    keys = set(json.loads((tmp_path / "h" / "config.json").read_text()))
+    assert {"hidden_size", "num_attention_heads", "vocab_size"} <= keys
+    loaded, meta = load_eagle(tmp_path / "h", target)
+    assert meta == {"x": 1} and loaded.cfg == head.cfg
+    h = torch.randn(1, 6, head.fc.in_features - (head.cfg.hidden_size if variant == "eagle1" else 0))
+    tok, pos = torch.randint(0, 256, (1, 6)), torch.arange(6)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(loaded.fuse(h), tok, pos), head(head.fuse(h), tok, pos))
+
+
+def test_published_eagle3_layout_with_a_draft_vocabulary(tiny_models, tmp_path):
+    """A checkpoint as EAGLE-3 publishes it (pytorch_model.bin, draft vocabulary of 100 tokens with d2t / t2d
+    maps): draft logits land on their target ids, every other target id gets -inf."""
+    target = tiny_models.target
+    H, V, Vd = 64, 320, 100
+    g = torch.Generator().manual_seed(0)
+    ref = _random_head(target, "eagle3", (0, 1))
+    state = {pub: ref.state_dict()[ours].clone() for ours, pub in names("eagle3").items() if ours != "d2t"}
+    target_ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+    state["lm_head.weight"] = torch.randn(Vd, H, generator=g)
+    state["d2t"] = target_ids - torch.arange(Vd)
+    state["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill(0, target_ids, True)
+    state["embed_tokens.weight"] = torch.randn(V, H)  # published heads may bundle it: ignored
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "vocab_size": V,
+        "draft_vocab_size": Vd,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}}))
+    head, _ = load_eagle(tmp_path, target)
+    z = head.logits(torch.randn(3, H, generator=g))
+    assert z.shape == (3, V) and torch.isinf(z[:, ~state["t2d"]]).all()
+    assert torch.isfinite(z[:, target_ids]).all()
+    # the saved layout of that head writes the same maps back
+    save_eagle(head, tmp_path / "again")
+    from safetensors.torch import load_file
+
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert torch.equal(again["d2t"], state["d2t"]) and torch.equal(again["t2d"], state["t2d"])
+    save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # safetensors wins
+    with pytest.raises(ValueError, match="missing"):
+        load_eagle(tmp_path, target)
