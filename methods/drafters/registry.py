@@ -17,6 +17,7 @@ DRAFTERS = MappingProxyType({
     "medusa": "methods.drafters.medusa:MedusaDrafter",
     "layerskip": "methods.drafters.layerskip:LayerSkipDrafter",  # self-speculative: early exit, shared KV
     "draft_verify": "methods.drafters.draft_verify:DraftVerifyDrafter",  # self-speculative: skipped sublayers
+    "mtp": "methods.drafters.mtp:MTPDrafter",  # DeepSeek-V3 sequential MTP modules on the frozen target
     "eagle": "methods.drafters.eagle:EagleDrafter",  # EAGLE-1 / EAGLE-2 (tree=dynamic)
     "eagle3": "methods.drafters.eagle:Eagle3Drafter",
 })

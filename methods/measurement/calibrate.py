@@ -180,9 +180,24 @@ def _self_draft_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: tor
     return out.logits[roots]  # (T, V)
 
 
+def _mtp_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+             ) -> torch.Tensor:
+    """q of the depth-``depth`` children: MTP module ``depth`` along the trajectory (modules 1..depth over
+    the target's hidden states with the true tokens, which are the accepted prefix), at the position whose
+    hidden state predicted the root; its attention window as in drafting."""
+    heads = run.drafter.heads
+    h = target.hidden[None].to(heads.lm_head.dtype)  # (1, T-1, H): position i predicted seq[i + 1]
+    n = h.shape[1]
+    with torch.inference_mode():
+        for k in range(1, depth + 1):
+            toks = seq[k : k + n].to(h.device)
+            h = heads.step(k, h[:, : toks.numel()], toks[None])
+        return heads.logits(depth, h[0, roots - 1]).float()  # (R, V)
+
+
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
 LAWS: dict[str, Law] = {"draft_model": _draft_model_law, "medusa": _medusa_law,  # drafter name → its law q
-                        "layerskip": _self_draft_law, "draft_verify": _self_draft_law}
+                        "layerskip": _self_draft_law, "draft_verify": _self_draft_law, "mtp": _mtp_law}
 
 
 def star_depths(run: _Run) -> int:
@@ -191,7 +206,8 @@ def star_depths(run: _Run) -> int:
     if run.cfg.method.drafter not in LAWS:
         return max(1, run.tree.depth)
     heads = getattr(run.drafter, "heads", None)
-    return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
+    per_depth = run.cfg.method.drafter in ("medusa", "mtp")  # one law per depth (head / module d)
+    return int(heads.num_heads) if per_depth and heads is not None else 1
 
 
 def _law_stars(

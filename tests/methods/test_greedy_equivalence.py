@@ -26,11 +26,12 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa", "eagle", "eagle3"}
+TREE_DRAFTERS = {"draft_model", "medusa", "eagle", "eagle3", "mtp"}
 Q_DRAFTERS = {"draft_model"}
 TEST_PARAMS = {
     "medusa": {"heads": "random", "num_heads": 4},
     "layerskip": {"exit_layer": 1},
+    "mtp": {"modules": "random", "num_heads": 3},
     "draft_verify": {"skip": "config", "skip_attn": [1], "skip_mlp": [0], "exit_threshold": 0.2},
     "eagle": {"head": "random"},  # untrained heads: fast; drafts mostly rejected (test_eagle.py accepts)
     "eagle3": {"head": "random", "feature_layers": [0, 1]},
