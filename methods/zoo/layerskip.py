@@ -226,3 +226,55 @@ def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
         count += y.numel()
     return {"ppl_by_exit": [math.exp(v / count) for v in nll],
             "greedy_agreement_by_exit": [v / count for v in agree], "tokens": count}
+
+
+def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8) -> list[dict]:
+    """Rank exit layers E = 1..L-1 by predicted speedup on this device: α_E = the exit's greedy agreement
+    with the last layer (held out, position by position), draft step ρ = E / L of t(1), the shared-cache
+    verify (1 - ρ)·t(γ+1) + ρ·t(1) (specsim.cost), τ = (1 - α^{γ+1}) / (1 - α); best γ per E."""
+    import numpy as np
+
+    n_layers = len(agreement)
+    sizes = sorted(t_n)
+    t = lambda n: float(np.interp(n, sizes, [t_n[s] for s in sizes]))  # noqa: E731
+    rows = []
+    for e in range(1, n_layers):
+        alpha, rho = min(agreement[e - 1], 0.999), e / n_layers
+        step = [g * rho * t(1) + (1 - rho) * t(g + 1) + rho * t(1) for g in range(1, max_gamma + 1)]
+        best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in enumerate(step, 1))
+        rows.append({"exit_layer": e, "alpha": agreement[e - 1], "rho": rho, "speedup": best[0],
+                     "gamma": best[1]})
+    return sorted(rows, key=lambda r: -r["speedup"])
+
+
+def main() -> int:
+    """Print the cached variant's report (per-exit perplexity and agreement, plain vs variant) and the exit
+    layers ranked for this device (t(n) of the zoo report)."""
+    import sys
+
+    from methods.models import load_models
+    from methods.zoo.build import ensure_zoo
+    from specsim.config import ModelConfig
+
+    models = load_models(ModelConfig(), "cpu", "bfloat16")
+    report = json.loads((ensure_layerskip(models.target, models.tokenizer, LayerSkipRecipe())
+                         / "report.json").read_text())
+    print(f"LayerSkip variant: {report['train_seconds']:.0f} s of continued training "
+          f"({report['recipe']['steps']} steps, load {report['loadavg_1min']:.1f}), drop rates "
+          f"{[round(p, 3) for p in report['drop_rates']]}")
+    for kind, both in report["heldout"].items():
+        for name, r in both.items():
+            print(f"  {kind:5s} {name:9s} ppl by exit {[round(x, 1) for x in r['ppl_by_exit']]}  greedy "
+                  f"agreement with its last layer {[round(x, 3) for x in r['greedy_agreement_by_exit']]}")
+    zoo = json.loads(ensure_zoo("default").report_path.read_text())
+    t_n = {int(k): v for k, v in zoo["t_n"]["target_ms"].items()}
+    for name in ("layerskip", "plain"):
+        ranked = choose_exit(report["heldout"]["code"][name]["greedy_agreement_by_exit"], t_n)
+        print(f"  exit layers for the {name} model (code), best first: " + "; ".join(
+            f"E={r['exit_layer']} α={r['alpha']:.3f} γ={r['gamma']} S={r['speedup']:.2f}" for r in ranked))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -125,3 +125,15 @@ def test_layerskip_variant_decodes_as_its_own_autoregression(tiny_target, tmp_pa
     g = torch.Generator().manual_seed(0)
     ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=20), g).token_ids
     assert decode(engine, drafter, prompt, DecodeOptions(max_new_tokens=20), g).token_ids == ref
+
+
+def test_exit_layers_are_ranked_by_predicted_speedup():
+    from methods.zoo.layerskip import choose_exit, drop_rates, exit_weights
+
+    flat = {1: 1.0, 16: 1.0}  # memory-bound t(n): verifying more tokens is free
+    ranked = choose_exit([0.1, 0.9, 0.95, 0.97, 0.98, 1.0], flat)
+    assert [r["exit_layer"] for r in ranked][:2] == [2, 3] and ranked[-1]["exit_layer"] == 1
+    assert ranked == sorted(ranked, key=lambda r: -r["speedup"])
+    assert drop_rates(6, 0.2)[0] == 0 and drop_rates(6, 0.2)[-1] == pytest.approx(0.2)
+    first, last = exit_weights(6, 0.2, 0, 400), exit_weights(6, 0.2, 399, 400)
+    assert first == [0, 0, 0, 0, 0, 1.0] and sum(last) == pytest.approx(1) and all(w > 0 for w in last[1:])
