@@ -48,7 +48,7 @@ class DraftVerifyParams:
     skip: str = "search"  # "search" (cached greedy search) | "config" (skip_attn / skip_mlp below)
     skip_attn: tuple[int, ...] = ()
     skip_mlp: tuple[int, ...] = ()
-    gamma: int = 0  # the longest draft; 0 = the configured chain's
+    gamma: int = 0  # the longest draft; 0 = the search's best (skip=search) or the configured chain's
     exit_threshold: float = 0.6
     adaptive: bool = True
     target_acceptance: float = 0.8
@@ -89,7 +89,8 @@ class DraftVerifyDrafter:
         if dp.skip == "search":
             from methods.drafters.skip_search import ensure_skip_set
 
-            sub = ensure_skip_set(models.target, models.tokenizer).sub
+            found = ensure_skip_set(models.target, models.tokenizer)
+            sub, gamma = found.sub, dp.gamma or found.gamma  # gamma 0: the search's best chain length
         elif dp.skip == "config":
             sub = SubLayers(skip_attn=frozenset(dp.skip_attn), skip_mlp=frozenset(dp.skip_mlp))
         else:
