@@ -61,6 +61,7 @@ class LayerSkipDrafter:
         self.tree = Tree.chain(gamma)
         self.engine: ModelEngine | None = None
         self._chains: dict[int, Tree] = {}
+        self.decoded_model = ""  # set when the target was replaced by the LayerSkip variant
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -77,7 +78,12 @@ class LayerSkipDrafter:
             load_variant_into(models, lp.train)
         elif lp.variant != "none":
             raise ValueError(f"layerskip: variant {lp.variant!r}: allowed none, train")
-        return cls(lp.exit_layer, gamma, sampling, sample=not sampling.greedy and verifier in _SAMPLED)
+        out = cls(lp.exit_layer, gamma, sampling, sample=not sampling.greedy and verifier in _SAMPLED)
+        if lp.variant == "train":  # metrics.json says what was decoded, and against which baseline
+            out.decoded_model = ("the LayerSkip variant of the target (continued training, methods.zoo."
+                                 "layerskip): tau and speedup are against the variant's own autoregressive "
+                                 "decoding, not the zoo target's")
+        return out
 
     # ---- protocol -----------------------------------------------------------------------------------
     def attach(self, target: ModelEngine) -> None:
