@@ -115,23 +115,32 @@ def ensure_layerskip(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe
 
     final = variant_dir(target, recipe, cache)
     if final.is_dir():
-        return final
+        return _marked(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(final.parent / f"{final.name}.lock"):
         if final.is_dir():
-            return final
+            return _marked(final)
         tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
         try:
             _log(f"layerskip: continued training of the target ({recipe.steps} steps; cached in {final})")
             report = build_variant(target, tokenizer, recipe, tmp)
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-            marker = final.parent / "variants" / fingerprint(load_variant(tmp))
-            marker.parent.mkdir(exist_ok=True)
-            marker.write_text(final.name + "\n")
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    return _marked(final)
+
+
+def _marked(final: Path) -> Path:
+    """Leave the variant's marker (see ``is_variant``) if it is not there yet."""
+    stamp = final / "fingerprint.txt"
+    if not stamp.exists():
+        fp = fingerprint(load_variant(final))
+        marker = final.parent / "variants" / fp
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(final.name + "\n")
+        stamp.write_text(fp + "\n")
     return final
 
 
