@@ -123,7 +123,8 @@ def ensure_layerskip(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe
         tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
         try:
             _log(f"layerskip: continued training of the target ({recipe.steps} steps; cached in {final})")
-            report = build_variant(target, tokenizer, recipe, tmp)
+            with torch.inference_mode(False), torch.enable_grad():  # e.g. a drafter built by a calibration
+                report = build_variant(target, tokenizer, recipe, tmp)
             (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             os.rename(tmp, final)
         except BaseException:

@@ -116,7 +116,8 @@ def test_layerskip_variant_decodes_as_its_own_autoregression(tiny_target, tmp_pa
     train = {"steps": 3, "seq_len": 32, "train_chars": 20_000, "eval_tokens": 64}
     method = MethodConfig(name="ls", drafter="layerskip", params={"exit_layer": 1, "variant": "train",
                                                                    "train": train})
-    drafter = build_drafter(method, Tree.chain(3), models, SamplingParams(0.0))
+    with torch.inference_mode():  # as a calibration builds its drafter: training must still get gradients
+        drafter = build_drafter(method, Tree.chain(3), models, SamplingParams(0.0))
     assert not torch.equal(target.lm_head.weight, tiny_target.lm_head.weight)  # continued training moved it
     again = build_drafter(method, Tree.chain(3), models, SamplingParams(0.0))  # a variant is not retrained
     assert len(list((tmp_path / "layerskip").glob("*/model"))) == 1 and again.exit_layer == 1
