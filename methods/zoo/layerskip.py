@@ -34,7 +34,10 @@ VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cac
 
 @dataclass(frozen=True)
 class LayerSkipRecipe:
-    """Continued-training recipe (defaults sized for ~4 min on the loaded 2-core machine)."""
+    """Continued-training recipe. Sized for ~4 min of a quiet 2-core machine (~0.6 s per step); on the
+    shared machine at load ~24 these 400 steps took 3324 s (40 steps: 712 s at load ~18). Held-out code:
+    final-layer ppl 82.8 -> 82.6, exit after layer 2 (E=2) ppl 720 -> 154 and greedy agreement with the
+    last layer 0.25 -> 0.43 (prose: final ppl 138 -> 149, E=2 agreement 0.35 -> 0.45)."""
 
     steps: int = 400
     batch_size: int = 4
