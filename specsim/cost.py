@@ -3,7 +3,10 @@
 t(n) is the target p's verify forward over n tree tokens, from a roofline (weights and KV over memory
 bandwidth vs 2·params·n FLOPs, a fixed overhead, PCIe streaming when offloaded: Sequoia, Chen et al. 2024)
 or a measured table. The draft q costs ρ·t(1) per draft step (Leviathan et al. 2023) or its own roofline.
-For a chain with flat t(n) this is Leviathan's S = k̄ / (1 + γρ).
+For a chain with flat t(n) this is Leviathan's S = k̄ / (1 + γρ). Self-speculation (LayerSkip, Draft &
+Verify) has no separate draft model: ρ is the share of the target's layers a draft step runs (E / L), and
+with LayerSkip's shared cache the verify pass skips layers [0, E) for the m nodes the draft fed: it costs
+(1 - ρ_v)·t(n) + ρ_v·t(n - m) instead of t(n) (ρ_v = E / L).
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class CostModel:
     target: TargetCost
     draft: DraftCost
     verify_extra: int = 0
+    verify_reuse: float = 0.0  # ρ_v: share of the layers the draft already ran for the nodes it fed
 
     @classmethod
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None) -> CostModel:
@@ -192,7 +196,7 @@ class CostModel:
         one = m.draft_steps == "one"
         per_forward = m.draft_tokens_per_forward
         draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
-        return cls(target, draft, m.verify_extra_tokens)
+        return cls(target, draft, m.verify_extra_tokens, m.verify_reuse_ratio)
 
     @property
     def ar_time(self) -> float:
@@ -202,6 +206,15 @@ class CostModel:
     def verify_time(self, n: int | Sequence[int] | np.ndarray) -> float | np.ndarray:
         return self.target.time(np.asarray(n))
 
+    def tree_verify_time(self, tree: Tree) -> float:
+        """The verify pass of ``tree``: t(n), or with a shared cache (ρ_v > 0) the draft's layers [0, E) of
+        the m nodes it fed (those with children) reused: (1 - ρ_v)·t(n) + ρ_v·t(n - m)."""
+        full = float(self.verify_time(self.verify_tokens(tree)))
+        if self.verify_reuse <= 0 or tree.depth == 0:
+            return full
+        fresh = self.verify_tokens(tree) - sum(1 for kids in tree.children if kids)  # not run by the draft
+        return (1 - self.verify_reuse) * full + self.verify_reuse * float(self.verify_time(fresh))
+
     def draft_time(self, tree: Tree) -> float:
         return self.draft.time(tree, self.ar_time)
 
@@ -210,7 +223,7 @@ class CostModel:
         return tree.size + (self.verify_extra if tree.depth > 0 else 0)
 
     def step_time(self, tree: Tree) -> float:
-        return self.draft_time(tree) + float(self.verify_time(self.verify_tokens(tree)))
+        return self.draft_time(tree) + self.tree_verify_time(tree)
 
     def speedup(self, tree: Tree, expected: float) -> float:
         """S = k̄ · t_AR / (t_draft + t(tree size))."""

@@ -73,7 +73,7 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
         width = cfg.tree.top_k if kind == TreeKind.dynamic else None
         vector = tuple(float(x) for x in acceptance_vector(model, width))
     tau = expected_tokens(tree, model)
-    t_verify, t_draft = float(cost.verify_time(cost.verify_tokens(tree))), cost.draft_time(tree)
+    t_verify, t_draft = cost.tree_verify_time(tree), cost.draft_time(tree)
     return Prediction(
         predicted_tau=tau,
         predicted_speedup=tau * cost.ar_time / (t_verify + t_draft),

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from methods.core.engine import Resume
 from specsim.tree import Tree
 
 
@@ -61,6 +62,9 @@ class Draft:
             verification tree (closed under ancestors, as parents precede children); the later nodes are
             computed in the same target forward but never accepted (Lookahead's Jacobi branch): their
             target logits come back in ``StepFeedback.logits`` and their KV is dropped.
+    resume: None, or (self-drafting on the target's own engine, LayerSkip) the first nodes' residual stream
+            after the target's layers [0, E), whose KV the drafter left pending in the target's cache: the
+            verify forward continues them from layer E instead of recomputing (methods.core.engine.Resume).
     """
 
     tree: Tree
@@ -68,6 +72,7 @@ class Draft:
     q: torch.Tensor | None = None
     n_verifiable: int | None = None
     draws: Draws | None = None
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         assert self.tokens.dim() == 1 and self.tokens.numel() == self.tree.size, (
@@ -148,7 +153,10 @@ class Drafter(Protocol):
     this drafter decodes against when it is not the run's (methods.drafters.registry.backbone_of);
     ``offline_seconds: float``: cumulative seconds the drafter spent on work between requests (Online SD's
     distillation, run in ``reset``); the loop leaves them out of its timers and reports them as
-    ``time_offline_s``."""
+    ``time_offline_s``. Optional method ``attach(target: ModelEngine)``: self-drafting (LayerSkip, Draft &
+    Verify) runs sub-layers of the target on the target's own engine and cache; the loop hands that engine
+    over before ``reset``. Such a drafter must leave the engine with no pending node, or exactly the nodes
+    its ``Draft.resume`` describes."""
 
     needs_hidden_states: bool
 

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from methods.core.fast_llama import FastLlama
+from methods.core.fast_llama import FastLlama, SubLayers
 from methods.core.fast_llama import supports as supports_fast
 from specsim.tree import Tree
 
@@ -41,6 +41,22 @@ class ForwardOut:
     logits: torch.Tensor  # (n, V) float32
     hidden: torch.Tensor | None  # (n, H) last-layer hidden states (after the final norm), when asked
     features: torch.Tensor | None = None  # (n, k H) outputs of the k asked decoder layers, concatenated
+    residual: torch.Tensor | None = None  # (n, H) a partial forward's residual stream after its last layer
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Self-speculation's shared cache (LayerSkip, Elhoushi et al. 2024): the first m nodes of a tree already
+    ran the target's layers [0, ``layer``) on this engine — their KV of those layers is pending in its cache
+    — and ``hidden`` (m, H) is their residual stream entering layer ``layer``. The verify forward runs layers
+    [0, layer) only for the other nodes and continues every node from there."""
+
+    layer: int
+    hidden: torch.Tensor  # (m, H)
+
+    @property
+    def nodes(self) -> int:
+        return int(self.hidden.shape[0])
 
 
 class BufferLayer(DynamicLayer):
@@ -162,24 +178,57 @@ class ModelEngine:
         return out
 
     @torch.inference_mode()
-    def forward_tree(
-        self, tokens: torch.Tensor, tree: Tree, hidden: bool = False, layers: tuple[int, ...] = ()
-    ) -> ForwardOut:
+    def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False,
+                     layers: tuple[int, ...] = (), resume: Resume | None = None) -> ForwardOut:
         """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix;
-        ``layers``: decoder layers whose outputs come back as ``features``."""
-        assert self.pending == 0, "forward_tree starts from a fully committed cache"
+        ``layers``: decoder layers whose outputs come back as ``features``. ``resume``: the first m nodes are
+        pending already, through layers [0, resume.layer) (self-speculation's shared cache: ``Resume``)."""
         bias, depths, anc, depth = self._tree_consts(tree)
         self.check_fits(self.length + depth + 1)
+        if resume is not None:
+            return self._resume(tokens, tree, (bias, depths, anc), hidden, resume)
+        assert self.pending == 0, "forward_tree starts from a fully committed cache"
         self._anc, self._pos = anc, (tree.depths + self.length).tolist()
         return self._forward(tokens, bias, depths + self.length, hidden, last_only=False, layers=layers)
+
+    def _resume(self, tokens: torch.Tensor, tree: Tree, consts: tuple, hidden: bool, resume: Resume
+                ) -> ForwardOut:
+        """Layers [0, E) for nodes m..N-1 (mask rows m..N-1: they see the pending nodes 0..m-1 through the
+        KV the draft wrote), then layers [E, L) for all N nodes from the joined residuals."""
+        assert self.fast is not None, "resume needs the lean Llama forward (methods.core.fast_llama)"
+        bias, depths, anc = consts
+        m, n, e = resume.nodes, tree.size, resume.layer
+        pos = (tree.depths + self.length).tolist()
+        assert self.pending == m <= n, f"resume of {m} nodes with {self.pending} pending, tree of {n}"
+        assert self._pos == pos[:m] and (self._anc == anc[:m, :m]).all(), "pending nodes are not the tree's"
+        self._check_kv(range(e), self.length + m)
+        self._check_kv(range(e, self.n_layers), self.length)
+        self._anc, self._pos = anc, pos
+        mask = None if bias is None else self._mask_view(n, self.length, bias)  # (1, 1, N, L + N)
+        position = depths + self.length
+        x = resume.hidden.to(self.dtype)
+        if m < n:
+            new = self.fast.embed_tokens(tokens[m:].reshape(n - m).to(self.device))
+            rows = None if mask is None else mask[:, :, m:]
+            new = self.fast.layers_forward(new, position[m:], rows, self.cache.layers, SubLayers(stop=e))
+            x = torch.cat([x, new])  # (N, H)
+        x = self.fast.layers_forward(x, position, mask, self.cache.layers, SubLayers(start=e))
+        if bias is not None:
+            mask[0, 0, :, self.length :].zero_()
+        h = self.fast.final_norm(x)
+        return ForwardOut(self.fast.logits(h).float(), h if hidden else None)
 
     @torch.inference_mode()
     def extend(
         self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False,
-        layers: tuple[int, ...] = (),
+        layers: tuple[int, ...] = (), sub: SubLayers | None = None,
     ) -> ForwardOut:
         """Append pending nodes; parents[i] is a pending index (earlier, or one of these: P + j, j < i) or -1
-        for the committed prefix. Returns logits of all new nodes (or only the last)."""
+        for the committed prefix. Returns logits of all new nodes (or only the last). ``sub``: a partial
+        forward (self-drafting, lean Llama only) through those sub-layers, logits from the target's own final
+        norm and LM head on its last residual (early exit), KV written only into the layers whose attention
+        ran; ``residual`` comes back. Every pending node must have run the same sub-layers; drop them
+        (``drop_pending``) or continue them with ``forward_tree(..., resume=...)`` before a full forward."""
         p0, n = self.pending, len(parents)
         anc = np.zeros((p0 + n, p0 + n), dtype=bool)
         anc[:p0, :p0] = self._anc
@@ -196,7 +245,29 @@ class ModelEngine:
         rows = anc[p0:]
         bias = None if rows.all() else self._bias(rows)
         position = torch.tensor(pos[p0:], dtype=torch.long, device=self.device)
+        if sub is not None and not sub.is_full:
+            return self._partial(tokens, bias, position, last_only, sub)
         return self._forward(tokens, bias, position, hidden, last_only, layers)
+
+    def _partial(self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
+                 last_only: bool, sub: SubLayers) -> ForwardOut:
+        assert self.fast is not None, "partial forwards need the lean Llama forward (methods.core.fast_llama)"
+        n = int(tokens.numel())
+        start = self.length + self.pending - n
+        self._check_kv(sub.writes_kv(self.n_layers), start)
+        mask = None if bias is None else self._mask_view(n, start, bias)
+        x = self.fast.embed_tokens(tokens.reshape(n).to(self.device))
+        x = self.fast.layers_forward(x, position, mask, self.cache.layers, sub)  # (n, H) residual
+        if bias is not None:
+            mask[0, 0, :, self.length :].zero_()
+        h = self.fast.final_norm(x[-1:] if last_only else x)
+        return ForwardOut(self.fast.logits(h).float(), None, residual=x)
+
+    def _check_kv(self, layers: Sequence[int], start: int) -> None:
+        """The layers about to append must hold exactly the cache slots before the new nodes."""
+        bad = [i for i in layers if self.cache.layers[i].length != start]
+        assert not bad, (f"layers {bad} hold {[self.cache.layers[i].length for i in bad]} slots, expected "
+                         f"{start}: pending nodes ran other sub-layers (drop them or resume them)")
 
     def _forward(
         self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor, hidden: bool,

@@ -177,32 +177,84 @@ class FastLlama:
         the cache layers (``update(k, v)`` appends and returns the (1, Hkv, L, D) views). Returns (n, H) after
         the final norm. ``taps``: for each key i, the output (n, H) of decoder layer i (0-based, before the
         final norm) is stored under i."""
+        x = self.layers_forward(self.embed_tokens(ids), position, mask, kv, taps=taps)
+        return self.final_norm(x)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) ids → (n, H) the input of decoder layer 0."""
+        return F.embedding(ids, self.embed)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, H) residual stream after the last layer run → the input of the LM head."""
+        return self._rms(x, self.norm)
+
+    def layers_forward(
+        self, x: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, kv: list,
+        sub: SubLayers | None = None, taps: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The residual stream x (n, H) through decoder layers ``sub`` (all by default: layers [start, stop)
+        minus the skipped attention / MLP sub-layers, whose residual passes through unchanged and whose
+        layer's cache gets no KV when its attention is skipped). Returns the (n, H) residual, no final
+        norm: the input of layer ``stop`` (self-speculation resumes from it)."""
         if self.packed and self._stamp() != self._version:  # the model's weights changed in place
             self._repack()
-        n, d = ids.shape[0], self.head_dim
+        n, d = x.shape[0], self.head_dim
         linear = self.linear
         cos, sin = self.cos[position], self.sin[position]  # (n, D)
-        x = F.embedding(ids, self.embed)  # (n, H)
         hq, k_end = self.n_heads, (self.n_heads + self.n_kv) * d
         gqa, adt = self.n_heads != self.n_kv, self.attn_dtype
         cast = adt != x.dtype
-        for i, (layer, cache) in enumerate(zip(self.layers, kv)):
-            qkv = linear(self._rms(x, layer.ln_in), layer.w_qkv)  # (n, (Hq + 2Hkv) D)
-            qk = _rope(qkv[:, :k_end].view(n, -1, d), cos, sin)  # (n, Hq + Hkv, D): one rotation for both
-            v = qkv[:, k_end:].view(n, -1, d)
-            if cast:
-                qk, v = qk.to(adt), v.to(adt)
-            qk, v = qk.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, heads, n, D)
-            keys, values = cache.update(qk[:, hq:], v)  # (1, Hkv, L, D)
-            att = F.scaled_dot_product_attention(qk[:, :hq], keys, values, attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=gqa)  # (1, Hq, n, D)
-            att = att[0].transpose(0, 1).reshape(n, -1)  # (n, Hq D)
-            x = x + linear(att.to(x.dtype) if cast else att, layer.w_o)
-            gate, up = linear(self._rms(x, layer.ln_post), layer.w_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down)
+        start, stop = (0, len(self.layers)) if sub is None else sub.bounds(len(self.layers))
+        skip_attn, skip_mlp = (_NONE, _NONE) if sub is None else (sub.skip_attn, sub.skip_mlp)
+        for i in range(start, stop):
+            layer, cache = self.layers[i], kv[i]
+            if i not in skip_attn:
+                qkv = linear(self._rms(x, layer.ln_in), layer.w_qkv)  # (n, (Hq + 2Hkv) D)
+                qk = _rope(qkv[:, :k_end].view(n, -1, d), cos, sin)  # (n, Hq + Hkv, D): one rotation for both
+                v = qkv[:, k_end:].view(n, -1, d)
+                if cast:
+                    qk, v = qk.to(adt), v.to(adt)
+                qk, v = qk.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, heads, n, D)
+                keys, values = cache.update(qk[:, hq:], v)  # (1, Hkv, L, D)
+                att = F.scaled_dot_product_attention(qk[:, :hq], keys, values, attn_mask=mask,
+                                                     scale=self.scale, enable_gqa=gqa)  # (1, Hq, n, D)
+                att = att[0].transpose(0, 1).reshape(n, -1)  # (n, Hq D)
+                x = x + linear(att.to(x.dtype) if cast else att, layer.w_o)
+            if i not in skip_mlp:
+                gate, up = linear(self._rms(x, layer.ln_post), layer.w_gate_up).chunk(2, dim=-1)
+                x = x + linear(F.silu(gate) * up, layer.w_down)
             if taps is not None and i in taps:
                 taps[i] = x
-        return self._rms(x, self.norm)
+        return x
+
+
+_NONE: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class SubLayers:
+    """A subset of the decoder's sub-layers, for self-drafting (LayerSkip's early exit after layer
+    ``stop``: Elhoushi et al. 2024; Draft & Verify's skipped attention / MLP sub-layers: Zhang et al. 2023):
+    layers [start, stop) (stop None = the last), minus the attention of ``skip_attn`` and the MLP of
+    ``skip_mlp`` (0-based layer indices)."""
+
+    start: int = 0
+    stop: int | None = None
+    skip_attn: frozenset[int] = frozenset()
+    skip_mlp: frozenset[int] = frozenset()
+
+    def bounds(self, n_layers: int) -> tuple[int, int]:
+        stop = n_layers if self.stop is None else self.stop
+        assert 0 <= self.start <= stop <= n_layers, f"layers [{self.start}, {stop}) outside 0..{n_layers}"
+        return self.start, stop
+
+    def writes_kv(self, n_layers: int) -> list[int]:
+        """Layers whose cache this forward appends to (their attention runs)."""
+        return [i for i in range(*self.bounds(n_layers)) if i not in self.skip_attn]
+
+    @property
+    def is_full(self) -> bool:
+        return self.start == 0 and self.stop is None and not self.skip_attn and not self.skip_mlp
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,8 @@ def decode(
         draft = _propose(drafter, ctx, target.device)
         sync()
         t1 = time.perf_counter()
-        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers)
+        out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers,
+                                  resume=draft.resume)
         checked = verification_draft(draft)  # the nodes that may be accepted (all, for most drafters)
         path, next_token = _verify(checked, out.logits[: checked.tree.size], opts, generator)
         target.commit(path)
@@ -122,6 +123,9 @@ def _start(
     tokens = torch.empty(n_prompt + max_new, dtype=torch.long)  # committed sequence, host side
     tokens[:n_prompt] = prompt
     pre = target.prefill(prompt[:-1], hidden=want_hidden, layers=layers)
+    attach = getattr(drafter, "attach", None)  # self-drafting: the drafter runs part of the target's engine
+    if attach is not None:
+        attach(target)
     drafter.reset(prompt)
     hidden = pre.hidden if (want_hidden and pre is not None) else None
     return tokens, hidden, (pre.features if (layers and pre is not None) else None)
@@ -131,7 +135,7 @@ def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft
     draft = limit_depth(drafter.propose(ctx), ctx.max_new)
     if draft.tokens.device != device:  # host-side drafters (n-gram lookup): verify on the device
         draws = None if draft.draws is None else draft.draws.to(device)
-        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable, draws)
+        draft = Draft(draft.tree, draft.tokens.to(device), draft.q, draft.n_verifiable, draws, draft.resume)
     return draft
 
 
@@ -174,6 +178,7 @@ def limit_depth(draft: Draft, max_depth: int) -> Draft:
     tree = draft.tree
     if tree.size <= max_depth + 1 or tree.depth <= max_depth:  # size first: Tree.depth is not memoised
         return draft
+    assert draft.resume is None, "a resumed draft (shared cache) must respect ctx.max_new itself"
     keep = [i for i in range(tree.size) if tree.depths[i] <= max_depth]  # closed under ancestors
     n_ver = None if draft.n_verifiable is None else sum(1 for i in keep if i < draft.n_verifiable)
     return draft.select(subtree(tree, keep), keep, n_ver)

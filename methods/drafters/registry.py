@@ -19,6 +19,9 @@ DRAFTERS = MappingProxyType({
     "staged": "methods.drafters.staged:StagedDrafter",
     "specinfer": "methods.drafters.specinfer:SpecInferDrafter",  # several drafts, one merged tree
     "online": "methods.drafters.online:OnlineDrafter",  # the draft distilled on the target while serving
+    "layerskip": "methods.drafters.layerskip:LayerSkipDrafter",  # self-speculative: early exit, shared KV
+    "draft_verify": "methods.drafters.draft_verify:DraftVerifyDrafter",  # self-speculative: skipped sublayers
+    "mtp": "methods.drafters.mtp:MTPDrafter",  # DeepSeek-V3 sequential MTP modules on the frozen target
     "eagle": "methods.drafters.eagle:EagleDrafter",  # EAGLE-1 / EAGLE-2 (tree=dynamic)
     "eagle3": "methods.drafters.eagle:Eagle3Drafter",
 })

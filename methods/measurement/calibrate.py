@@ -212,13 +212,46 @@ def _eagle_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Te
         return head.logits(g[roots + depth - 2]).float()  # (T', V)
 
 
+def _self_draft_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+                    ) -> torch.Tensor:
+    """q after each root from the drafter's own sub-layers of the target (``drafter.sub``: LayerSkip's early
+    exit, Draft & Verify's skipped sub-layers) over the true sequence. Positional: the draft reads the
+    target's KV of the committed prefix, exactly for LayerSkip at every depth (layers [0, E) of draft nodes
+    are the target's own); for Draft & Verify deeper drafts also read the earlier drafts' skipped-layer KV,
+    which this law does not (an approximation at depth > 1)."""
+    assert depth == 1, "the self-draft law is positional"
+    engine = run.target
+    engine.reset()
+    out = engine.extend(seq.to(engine.device), list(range(-1, seq.numel() - 1)), sub=run.drafter.sub)
+    engine.drop_pending()
+    return out.logits[roots]  # (T, V)
+
+
+def _mtp_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
+             ) -> torch.Tensor:
+    """q of the depth-``depth`` children: MTP module ``depth`` along the trajectory (modules 1..depth over
+    the target's hidden states with the true tokens, which are the accepted prefix), at the position whose
+    hidden state predicted the root; its attention window as in drafting."""
+    heads = run.drafter.heads
+    h = target.hidden[None].to(heads.lm_head.dtype)  # (1, T-1, H): position i predicted seq[i + 1]
+    n = h.shape[1]
+    with torch.inference_mode():
+        for k in range(1, depth + 1):
+            toks = seq[k : k + n].to(h.device)
+            h = heads.step(k, h[:, : toks.numel()], toks[None])
+        return heads.logits(depth, h[0, roots - 1]).float()  # (R, V)
+
+
 Law = Callable[..., torch.Tensor]  # (run, seq, target ForwardOut, roots (T,), depth) → q logits (T, V)
 LAWS: dict[str, Law] = {  # drafter name → its law q
     "draft_model": _draft_model_law,
     "medusa": _medusa_law,
-    "staged": _draft_model_law,
+    "staged": _draft_model_law,  # the spine's children are the draft model's top-k at the true prefix
     "eagle": _eagle_law,
-    "eagle3": _eagle_law,  # the spine's children are the draft model's top-k at the true prefix
+    "eagle3": _eagle_law,
+    "layerskip": _self_draft_law,
+    "draft_verify": _self_draft_law,
+    "mtp": _mtp_law,
 }
 # drafters whose proposals follow the verifications (Lookahead's Jacobi window lives on the target's outputs
 # at its lookahead branch): no star tree can be drawn off-line, their acceptance comes from the real loop
@@ -231,7 +264,8 @@ def star_depths(run: _Run) -> int:
     if run.cfg.method.drafter not in LAWS or run.cfg.method.drafter in ("eagle", "eagle3"):
         return max(1, run.tree.depth)  # EAGLE: its law at every depth of the depth tree
     heads = getattr(run.drafter, "heads", None)
-    return int(heads.num_heads) if run.cfg.method.drafter == "medusa" and heads is not None else 1
+    per_depth = run.cfg.method.drafter in ("medusa", "mtp")  # one law per depth (head / module d)
+    return int(heads.num_heads) if per_depth and heads is not None else 1
 
 
 def _law_stars(

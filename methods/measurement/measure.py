@@ -161,6 +161,8 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
     metrics.update(predictions)
+    if getattr(drafter, "decoded_model", None):  # a drafter that replaced the target (LayerSkip's variant)
+        metrics["decoded_model"] = drafter.decoded_model
     metrics.update({
         "tree_size": tree.size,
         "tree_depth": tree.depth,

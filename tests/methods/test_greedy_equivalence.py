@@ -26,7 +26,7 @@ TREES = {
 }
 # drafters that fill arbitrary trees; of those, the ones returning q rows at temperature 0 too (the sampling
 # verifiers apply); every drafter gets the verifiers for deterministic drafts
-TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online", "eagle", "eagle3"}
+TREE_DRAFTERS = {"draft_model", "medusa", "specinfer", "online", "eagle", "eagle3", "mtp"}
 _SAMPLED = [Verifier.chain, Verifier.specinfer, Verifier.sequoia]
 Q_DRAFTERS = {"draft_model": _SAMPLED, "online": _SAMPLED, "specinfer": [Verifier.specinfer]}
 TEST_PARAMS = {
@@ -35,6 +35,9 @@ TEST_PARAMS = {
     "staged": {"stage2": "ngram", "stage2_gamma": 3, "order": 1},
     "specinfer": {"source": "copies", "drafts": 3},  # the draft and two perturbed copies, merged
     "online": {"update_every": 2, "steps": 1},  # learns between the test's decodes: must stay lossless
+    "layerskip": {"exit_layer": 1},
+    "mtp": {"modules": "random", "num_heads": 3},
+    "draft_verify": {"skip": "config", "skip_attn": [1], "skip_mlp": [0], "exit_threshold": 0.2},
     "eagle": {"head": "random"},  # untrained heads: fast; drafts mostly rejected (test_eagle.py accepts)
     "eagle3": {"head": "random", "feature_layers": [0, 1]},
 }

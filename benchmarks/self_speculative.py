@@ -1,0 +1,127 @@
+"""Side by side: the methods that draft from the target itself (Medusa-1, Medusa-2, MTP, LayerSkip with and
+without its continued training, Draft & Verify) on the zoo target, code and prose: τ, draft cost ratio
+(measured draft time per speculation step over t_AR), measured speedup, the simulator's prediction for this
+device, extra parameters trained and training time. Every row is a task=measure run (its calibrated profile
+and trained modules are cached, so re-running is cheaper).
+
+    python benchmarks/self_speculative.py [--workloads code prose] [--methods ...] [--num-prompts 8]
+        [--threads 1] [--json out.json]
+
+LayerSkip's variant is a different model from the zoo target: its τ and speedup are against its own
+autoregressive decoding (``baseline_model`` in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+METHODS = {  # row name → run.py overrides
+    "medusa1": ["method=medusa"],
+    "medusa2": ["method=medusa", "method.params.joint=true"],
+    "mtp": ["method=mtp"],
+    "layerskip": ["method=layerskip"],
+    "layerskip_plain": ["method=layerskip", "method.params.variant=none"],
+    "draft_verify": ["method=draft_verify"],
+}
+
+
+def training_cost(name: str, cfg, models) -> tuple[int, float | None, str]:
+    """(extra parameters trained, training seconds, note) from the caches the run just used."""
+    p = cfg.method.params
+    if name.startswith("medusa"):
+        from methods.drafters.medusa import MedusaParams
+        from methods.heads.medusa.checkpoint import load_heads
+        from methods.heads.medusa.store import ensure_medusa
+
+        train_cfg = MedusaParams.from_method(cfg.method).train_config()
+        built = ensure_medusa(models.target, models.tokenizer, train_cfg)
+        n = sum(w.numel() for w in load_heads(built.heads_dir).heads.parameters())
+        if p.get("joint"):  # Medusa-2 fine-tunes the target with its heads
+            return n + sum(w.numel() for w in models.target.parameters()), built.report["train_seconds"], \
+                "heads + target (joint)"
+        return n, built.report["train_seconds"], "heads"
+    if name == "mtp":
+        from methods.drafters.mtp import MTPParams
+        from methods.heads.mtp.train import MTPTrainConfig, ensure_mtp
+
+        mp = MTPParams.from_method(cfg.method)
+        _, report = ensure_mtp(models.target, models.tokenizer, MTPTrainConfig(
+            depths=mp.num_heads, window=mp.window, steps=mp.steps, seed=mp.seed, **mp.train))
+        return report["params_trained"], report["train_seconds"], "modules"
+    if name == "layerskip":
+        from methods.zoo.layerskip import LayerSkipRecipe, variant_dir
+
+        report = json.loads((variant_dir(models.target, LayerSkipRecipe(**dict(p.get("train", {}))))
+                             / "report.json").read_text())
+        return report["params_trained"], report["train_seconds"], "the whole target (continued training)"
+    if name == "draft_verify":
+        from methods.drafters.skip_search import SearchConfig, search_path
+
+        found = json.loads(search_path(models.target, SearchConfig()).read_text())
+        return 0, 0.0, f"no training; skip-set search {found['seconds']:.0f} s"
+    return 0, 0.0, "no training"
+
+
+def run_row(name: str, workload: str, args) -> dict:
+    from methods.measurement.measure import measure
+    from methods.models import load_models
+    from run import compose_run_config, seed_everything
+
+    cfg = compose_run_config(*METHODS[name], f"workload={workload}", f"threads={args.threads}",
+                             f"workload.num_prompts={args.num_prompts}")
+    seed_everything(cfg.seed, True, cfg.threads)
+    start = time.perf_counter()
+    m = measure(cfg, show_progress=False).metrics
+    profile = json.loads(Path(m["profile_path"]).read_text())
+    plain = load_models(cfg.model, cfg.device, cfg.model.dtype)  # the zoo target as loaded (caches' keys)
+    params, seconds, what = training_cost(name, cfg, plain)
+    return {"method": name, "workload": workload, "tau": m["tau"], "predicted_tau": m["predicted_tau"],
+            "draft_cost_ratio": profile["draft_time_s"] / profile["t_ar_s"],
+            "draft_steps": cfg.method.draft_steps, "speedup": m["speedup"],
+            "decode_speedup": m["decode_speedup"],
+            "predicted_speedup": m["predicted_speedup"], "greedy_equal_rate": m["greedy_equal_rate"],
+            "extra_params_trained": params, "training_seconds": seconds, "trained": what,
+            "baseline_model": "layerskip variant (own AR)" if name == "layerskip" else "zoo target",
+            "run_seconds": time.perf_counter() - start}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| method | workload | τ | pred. τ | draft cost ratio | speedup | pred. speedup | extra params "
+            "trained | training s |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        secs = "-" if r["training_seconds"] is None else f"{r['training_seconds']:.0f}"
+        lines.append(f"| {r['method']} | {r['workload']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
+                     f"{r['draft_cost_ratio']:.3f} ({r['draft_steps']}) | {r['speedup']:.2f} | "
+                     f"{r['predicted_speedup']:.2f} | {r['extra_params_trained'] / 1e6:.2f}M "
+                     f"({r['trained']}) | {secs} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=["code", "prose"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    rows = []
+    for workload in args.workloads:
+        for name in args.methods:
+            rows.append(run_row(name, workload, args))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
