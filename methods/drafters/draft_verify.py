@@ -23,6 +23,7 @@ from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.engine import ModelEngine
 from methods.core.fast_llama import SubLayers
 from methods.core.sampling import SamplingParams, probs
+from methods.drafters.params import checked_params
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -55,16 +56,7 @@ class DraftVerifyParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> DraftVerifyParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown draft_verify keys {sorted(unknown)}; allowed "
-                             f"{sorted(known)}")
-        mine = dict(method.params)
-        for key in ("skip_attn", "skip_mlp"):
-            if key in mine:
-                mine[key] = tuple(int(i) for i in mine[key])
-        return cls(**mine)
+        return cls(**checked_params(cls, method.params, "draft_verify", int_tuples=("skip_attn", "skip_mlp")))
 
 
 class DraftVerifyDrafter:

@@ -27,6 +27,7 @@ from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, probs
 from methods.drafters.medusa import _draw
+from methods.drafters.params import checked_params
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
 from methods.heads.eagle.train import EagleTrainConfig, new_head
@@ -57,16 +58,7 @@ class EagleParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> EagleParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown eagle keys {sorted(unknown)}; allowed {sorted(known)}")
-        mine = dict(method.params)
-        if "train" in mine:
-            mine["train"] = dict(mine["train"])
-        if "feature_layers" in mine:
-            mine["feature_layers"] = tuple(int(x) for x in mine["feature_layers"])
-        return cls(**mine)
+        return cls(**checked_params(cls, method.params, "eagle", int_tuples=("feature_layers",)))
 
 
 @dataclass(frozen=True)

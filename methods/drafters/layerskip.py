@@ -23,6 +23,7 @@ from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.engine import ModelEngine, Resume
 from methods.core.fast_llama import SubLayers
 from methods.core.sampling import SamplingParams, probs
+from methods.drafters.params import checked_params
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -40,15 +41,7 @@ class LayerSkipParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> LayerSkipParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown layerskip keys {sorted(unknown)}; "
-                             f"allowed {sorted(known)}")
-        mine = dict(method.params)
-        if "train" in mine:
-            mine["train"] = dict(mine["train"])
-        return cls(**mine)
+        return cls(**checked_params(cls, method.params, "layerskip"))
 
 
 class LayerSkipDrafter:

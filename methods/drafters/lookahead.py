@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
+from methods.drafters.params import checked_params
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -47,12 +48,7 @@ class LookaheadParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> LookaheadParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown lookahead keys {sorted(unknown)}; "
-                             f"allowed {sorted(known)}")
-        out = cls(**dict(method.params))
+        out = cls(**checked_params(cls, method.params, "lookahead"))
         if out.level < 3 or out.window < 2 or out.guess_set < 1:
             raise ValueError(f"lookahead needs level (N) >= 3, window (W) >= 2, guess_set (G) >= 1, "
                              f"got {out}")

@@ -29,6 +29,7 @@ from methods.core.drafter import Backbone, Draft, DraftContext, StepFeedback, ro
 from methods.core.loop import kept_nodes, subtree
 from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.verify import VERIFIER_PARAMS
+from methods.drafters.params import checked_params
 from methods.heads.medusa.checkpoint import load_heads
 from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.heads.medusa.train import TrainConfig
@@ -78,14 +79,8 @@ class MedusaParams:
     @classmethod
     def from_method(cls, method: MethodConfig) -> MedusaParams:
         """The drafter's keys of ``method.params``; typical acceptance's keys belong to the verifier."""
-        known = set(cls.__dataclass_fields__)
         mine = {k: v for k, v in method.params.items() if k not in _VERIFIER_KEYS}
-        unknown = set(mine) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown medusa keys {sorted(unknown)}; allowed {sorted(known)}")
-        if "train" in mine:  # Hydra hands over a DictConfig
-            mine["train"] = dict(mine["train"])
-        return cls(**mine)
+        return cls(**checked_params(cls, mine, "medusa"))
 
 
 class MedusaDrafter:

@@ -20,6 +20,7 @@ import torch
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, probs
+from methods.drafters.params import checked_params
 from methods.heads.mtp.module import MTPModules
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
@@ -38,14 +39,7 @@ class MTPParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> MTPParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown mtp keys {sorted(unknown)}; allowed {sorted(known)}")
-        mine = dict(method.params)
-        if "train" in mine:
-            mine["train"] = dict(mine["train"])
-        return cls(**mine)
+        return cls(**checked_params(cls, method.params, "mtp"))
 
 
 class MTPDrafter:

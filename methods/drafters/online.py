@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.sampling import SamplingParams
+from methods.drafters.params import checked_params
 from methods.drafters.vanilla import _MODES, DraftModelDrafter
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
@@ -75,12 +76,7 @@ class OnlineDrafter:
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
                     ) -> OnlineDrafter:
-        known = set(OnlineConfig.__dataclass_fields__)
-        unknown = set(method.params) - known
-        if unknown:
-            raise ValueError(f"method.params: unknown online keys {sorted(unknown)}; "
-                             f"allowed: {sorted(known)}")
-        cfg = OnlineConfig(**method.params)
+        cfg = OnlineConfig(**checked_params(OnlineConfig, method.params, "online", dicts=()))
         if models.draft is None:
             raise ValueError("online needs a draft model (model.draft_n_layers > 0)")
         if tree is None or tree.size == 1:
