@@ -61,7 +61,10 @@ class OnlineDrafter:
 
     def __init__(self, model, tree: Tree, sampling: SamplingParams, mode: str, cfg: OnlineConfig) -> None:
         self.cfg = cfg
-        self.model = copy.deepcopy(model).eval()  # trained here: the run's draft stays as loaded
+        # trained here: the run's draft stays as loaded. Copied outside inference mode: a drafter built under
+        # it (a calibration) would otherwise get inference tensors, which cannot be updated in place later
+        with torch.inference_mode(False):
+            self.model = copy.deepcopy(model).eval()
         self.inner = DraftModelDrafter(self.model, tree, sampling, mode)
         self.tree = self.inner.tree
         self.offline_seconds = 0.0  # cumulative training seconds (between requests)

@@ -107,3 +107,24 @@ def test_stream_workload_is_code_requests_none_repeated():
     prompts = load_prompts(w, tok, seed=0)
     assert len({p.prompt_id for p in prompts}) == 24 and {p.kind for p in prompts} == {"code"}
     assert [p.prompt_id for p in load_prompts(w, tok, seed=0)] == [p.prompt_id for p in prompts]
+
+
+def test_a_drafter_built_under_inference_mode_still_learns(tiny_models):
+    """A calibration builds the drafter (and may load its draft) under inference_mode: the drafter's own copy
+    must still take in-place updates, and the decoding engine must see them."""
+    import copy
+
+    with torch.inference_mode():
+        models = copy.copy(tiny_models)
+        models.draft = copy.deepcopy(tiny_models.draft)  # inference tensors, as a model loaded here has
+        assert next(models.draft.parameters()).is_inference()
+        drafter = _drafter(models, update_every=1, steps=2, learning_rate=3e-4, mask="all")
+    engine = ModelEngine(tiny_models.target)
+    opts = DecodeOptions(Verifier.greedy, GREEDY, 16)
+    g = torch.Generator().manual_seed(0)
+    first, second = _prompts(2)
+    decode(engine, drafter, first, opts, g)
+    before = next(drafter.model.parameters()).detach().clone()
+    decode(engine, drafter, second, opts, g)  # reset distils the first request's data
+    assert len(drafter.updates) == 1
+    assert not torch.equal(before, next(drafter.model.parameters()))
