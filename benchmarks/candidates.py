@@ -194,9 +194,17 @@ def preset_candidates(ctx: Context, drafter: str) -> list[Candidate]:
     return out
 
 
+# drafters that train or search something on first use (minutes to an hour on 2 cores: boost-tuned drafts,
+# a prose-only draft, the LayerSkip variant, MTP modules, the skip-set search): they race only when
+# ``--drafters`` names them, and then their presets build what they need
+TRAIN_ON_FIRST_USE = frozenset({"specinfer", "online", "layerskip", "mtp", "draft_verify"})
+
+
 def candidates(ctx: Context) -> list[Candidate]:
-    """Every registered drafter's candidates (``--drafters`` restricts the drafters; None: all)."""
-    chosen = [d for d in names() if ctx.args.drafters is None or d in ctx.args.drafters]
+    """Every registered drafter's candidates (``--drafters`` chooses the drafters; None: every one that
+    needs no training on first use, see TRAIN_ON_FIRST_USE)."""
+    chosen = [d for d in names() if d in ctx.args.drafters] if ctx.args.drafters is not None else [
+        d for d in names() if d not in TRAIN_ON_FIRST_USE]
     out = []
     for drafter in chosen:
         factory = FACTORIES.get(drafter)

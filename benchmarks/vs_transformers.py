@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--medusa-budgets", type=int, nargs="*", default=[16],
                     help="Medusa's greedy trees (from the heads' measured accuracies) of these sizes")
     ap.add_argument("--drafters", nargs="*", default=None, help="registered drafters whose candidates race "
-                    "for best (default: all; benchmarks/candidates.py lists them per drafter)")
+                    "for best (default: those that train nothing on first use; benchmarks/candidates.py)")
     ap.add_argument("--hf-compile", choices=["all", "hf", "forward", "off"], default="all",
                     help="HF torch.compile paths: transformers' compiled decode step with the static cache "
                     "(hf), model.forward = torch.compile(model.forward) with the dynamic and static caches "
