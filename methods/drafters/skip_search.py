@@ -15,7 +15,6 @@ weights and this config). ``python -m methods.drafters.skip_search`` prints the 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import torch
 
 from methods.core.engine import ModelEngine
 from methods.core.fast_llama import SubLayers
+from methods.zoo.identity import doc_key
 
 VERSION = 1
 
@@ -151,7 +151,7 @@ def search_path(target, cfg: SearchConfig) -> Path:
 
     doc = {"v": VERSION, "target": fingerprint(target), "cfg": dataclasses.asdict(cfg),
            "dtype": str(target.dtype), "threads": torch.get_num_threads()}
-    key = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    key = doc_key(doc, 16)
     return cache_root() / "draft_verify" / f"{key}.json"
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from methods.zoo.identity import doc_key, weights_fingerprint
 
 VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cached variants)
 
@@ -92,21 +93,15 @@ def exit_logits(model: PreTrainedModel, x: torch.Tensor, drop: list[float] | Non
 
 
 def fingerprint(model: PreTrainedModel) -> str:
-    """Cheap identity of a model's weights (names, shapes, first/last values in bf16)."""
-    digest = hashlib.sha256()
-    for name, w in model.state_dict().items():
-        flat = w.detach().reshape(-1)
-        sample = torch.cat([flat[:2048], flat[-2048:]]).to("cpu", torch.bfloat16).view(torch.int16)
-        digest.update(f"{name}{tuple(w.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:20]
+    """Cheap identity of a model's weights (methods.zoo.identity): the first/last 2048 values of each."""
+    return weights_fingerprint(model, 2048, 20)
 
 
 def variant_dir(target: PreTrainedModel, recipe: LayerSkipRecipe, cache: Path | None = None) -> Path:
     from methods.zoo.build import cache_root
 
     doc = {"v": VERSION, "target": fingerprint(target), "recipe": dataclasses.asdict(recipe)}
-    key = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+    key = doc_key(doc, 16)
     return (cache or cache_root()) / "layerskip" / key
 
 

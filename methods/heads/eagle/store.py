@@ -9,7 +9,6 @@ renamed, like Medusa's store (whose target fingerprint, corpus sampler and lock 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from methods.heads.eagle.checkpoint import save_eagle
 from methods.heads.eagle.train import EagleTrainConfig, depth_accuracy, train
-from methods.heads.medusa.store import _cache_root, _lock, corpus_tokens, target_identity
+from methods.heads.medusa.store import _cache_root, build_once, corpus_tokens, head_key, target_identity
 from methods.heads.medusa.train import greedy_continuations, sample_windows
 
 VERSION = 1  # bump when training or evaluation changes meaningfully
@@ -47,9 +46,7 @@ class BuiltEagle:
 
 def cache_key(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EagleTrainConfig,
               ev: EagleEval) -> str:
-    doc = {"v": VERSION, "target": target_identity(target), "vocab": len(tokenizer), "train": cfg.to_dict(),
-           "eval": ev.__dict__}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]
+    return head_key(VERSION, target, tokenizer, cfg.to_dict(), ev.__dict__)
 
 
 def ensure_eagle(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: EagleTrainConfig,
@@ -58,12 +55,7 @@ def ensure_eagle(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cf
     ev = ev or EagleEval()
     root = Path(cache_root) if cache_root is not None else _cache_root()
     entry = root / "eagle" / cache_key(target, tokenizer, cfg, ev)
-    if not (entry / "report.json").exists():
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(entry.with_suffix(".lock")):
-            if not (entry / "report.json").exists():
-                with torch.inference_mode(False), torch.enable_grad():
-                    _build(target, tokenizer, cfg, ev, entry)
+    build_once(entry, lambda path: _build(target, tokenizer, cfg, ev, path))
     return BuiltEagle(entry, entry / "head", json.loads((entry / "report.json").read_text()))
 
 

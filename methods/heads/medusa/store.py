@@ -10,11 +10,11 @@ concurrent runs wait for one build, and a crash never leaves a half entry.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from methods.heads.medusa.checkpoint import save_heads
 from methods.heads.medusa.train import TrainConfig, greedy_continuations, head_accuracy, sample_windows, train
+from methods.zoo.identity import doc_key, weights_fingerprint
 
 VERSION = 1  # bump when training or evaluation changes meaningfully (invalidates cached heads)
 
@@ -51,28 +52,37 @@ class EvalConfig:
 
 
 def target_identity(model: PreTrainedModel) -> str:
-    """Cheap fingerprint of a model's weights: names, shapes and the first/last 4096 values of every tensor,
-    rounded to bf16 so a checkpoint loaded in fp32 or bf16 has one identity."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        sample = torch.cat([flat[:4096], flat[-4096:]]).to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:24]
+    """Cheap fingerprint of a model's weights (methods.zoo.identity): the first/last 4096 values of each."""
+    return weights_fingerprint(model, 4096, 24)
+
+
+def head_key(version: int, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: dict,
+             ev: dict | None = None) -> str:
+    """Cache key of modules trained on ``target`` (Medusa, EAGLE, MTP): their format version, the target's
+    identity and vocabulary, the training recipe and (where one is stored) the evaluation settings."""
+    doc = {"v": version, "target": target_identity(target), "vocab": len(tokenizer), "train": train}
+    if ev is not None:
+        doc["eval"] = ev
+    return doc_key(doc, 20)
+
+
+def build_once(entry: Path, build: Callable[[Path], None]) -> None:
+    """``build(entry)`` unless ``entry/report.json`` exists; under a file lock, so two processes build it
+    once. Training needs autograd even when the caller runs under inference_mode (a calibration or a
+    measure run building its drafter)."""
+    if (entry / "report.json").exists():
+        return
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(entry.with_suffix(".lock")):
+        if not (entry / "report.json").exists():  # another process may have built it meanwhile
+            with torch.inference_mode(False), torch.enable_grad():
+                build(entry)
 
 
 def cache_key(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, ev: EvalConfig
 ) -> str:
-    doc = {
-        "v": VERSION,
-        "target": target_identity(model),
-        "vocab": len(tokenizer),
-        "train": cfg.to_dict(),
-        "eval": ev.__dict__,
-    }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]
+    return head_key(VERSION, model, tokenizer, cfg.to_dict(), ev.__dict__)
 
 
 def ensure_medusa(
@@ -86,14 +96,7 @@ def ensure_medusa(
     ev = ev or EvalConfig()
     root = Path(cache_root) if cache_root is not None else _cache_root()
     entry = root / "medusa" / cache_key(target, tokenizer, cfg, ev)
-    if not (entry / "report.json").exists():
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(entry.with_suffix(".lock")):
-            if not (entry / "report.json").exists():  # another process may have built it meanwhile
-                # training needs autograd even when the caller runs under inference_mode (a calibration or
-                # measure run building its drafter)
-                with torch.inference_mode(False), torch.enable_grad():
-                    _build(target, tokenizer, cfg, ev, entry)
+    build_once(entry, lambda path: _build(target, tokenizer, cfg, ev, path))
     report = json.loads((entry / "report.json").read_text())
     target_dir = entry / "target" if (entry / "target").exists() else None
     return BuiltMedusa(entry, entry / "heads", target_dir, np.asarray(report["accuracy_generated"]), report)

@@ -11,7 +11,6 @@ Cached in ``<cache root>/mtp/<key>/`` (key: the target's identity, vocabulary, c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from methods.heads import trainer
-from methods.heads.medusa.store import _cache_root, _lock, corpus_tokens, target_identity
+from methods.heads.medusa.store import _cache_root, build_once, corpus_tokens, head_key, target_identity
 from methods.heads.medusa.train import sample_windows
 from methods.heads.mtp.module import MTPConfig, MTPModules
 
@@ -108,14 +107,8 @@ def depth_accuracy(target, mods: MTPModules, windows: torch.Tensor) -> list[floa
 
 def ensure_mtp(target, tokenizer, cfg: MTPTrainConfig) -> tuple[MTPModules, dict]:
     """The cached modules for this target and config (trained first when missing) and their report."""
-    doc = {"v": VERSION, "target": target_identity(target), "vocab": len(tokenizer), "train": cfg.to_dict()}
-    entry = _cache_root() / "mtp" / hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]
-    if not (entry / "report.json").exists():
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(entry.with_suffix(".lock")):
-            if not (entry / "report.json").exists():
-                with torch.inference_mode(False), torch.enable_grad():
-                    _build(target, tokenizer, cfg, entry)
+    entry = _cache_root() / "mtp" / head_key(VERSION, target, tokenizer, cfg.to_dict())
+    build_once(entry, lambda path: _build(target, tokenizer, cfg, path))
     mods = new_modules(target, cfg)
     mods.load_state_dict(torch.load(entry / "modules.pt", weights_only=True))
     return mods.eval(), json.loads((entry / "report.json").read_text())
