@@ -60,14 +60,20 @@ def tiny_models(tiny_target) -> Models:
     return Models(tiny_target, draft, byte_tokenizer(TINY.vocab_size), torch.device("cpu"), torch.float32)
 
 
-@pytest.fixture(scope="session")
-def small_vocab_models() -> Models:
-    """Vocabulary of 48 and a peaked law: chi-square tests get enough samples per cell."""
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+def peaked_small_vocab_llama(n_layers: int, seed: int) -> LlamaForCausalLM:
+    """A random Llama with a vocabulary of 48 and a peaked law (chi-square tests get enough samples per
+    cell)."""
+    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, attn_implementation="sdpa")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        target = sharpen(LlamaForCausalLM(cfg), 15.0).eval()
+        torch.manual_seed(seed)
+        return sharpen(LlamaForCausalLM(cfg), 15.0).eval()
+
+
+@pytest.fixture(scope="session")
+def small_vocab_models() -> Models:
+    """Vocabulary of 48 and a peaked law: chi-square tests get enough samples per cell."""
+    target = peaked_small_vocab_llama(1, seed=3)
     draft = perturbed_copy(target, 0.3, seed=4)
     return Models(target, draft, None, torch.device("cpu"), torch.float32)

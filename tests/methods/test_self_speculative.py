@@ -10,7 +10,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from methods.core.drafter import Draft, StepFeedback
 from methods.core.engine import ModelEngine
@@ -21,7 +20,7 @@ from methods.drafters.registry import build_drafter
 from methods.models import Models, byte_tokenizer
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
-from tests.methods.conftest import sharpen
+from tests.methods.conftest import peaked_small_vocab_llama
 from tests.methods.test_statistical import PROMPT, chi2_pvalue, exact_marginals
 
 T1 = SamplingParams(temperature=1.0)
@@ -36,13 +35,7 @@ PARAMS = {
 @pytest.fixture(scope="module")
 def two_layer_small_vocab() -> Models:
     """Vocabulary 48, two layers (an early exit needs a layer after it), a peaked law."""
-    cfg = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(5)
-        target = sharpen(LlamaForCausalLM(cfg), 15.0).eval()
-    return Models(target, None, None, torch.device("cpu"), torch.float32)
+    return Models(peaked_small_vocab_llama(2, seed=5), None, None, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.slow
