@@ -1,0 +1,118 @@
+"""Published tables from published inputs (issue 17, part 2): every row of conf/published/<paper>.yaml
+composed as `experiment=<the paper's preset>` plus the row's overrides, priced by specsim.published with the
+framework costs of conf/published/runtimes.yaml, and set beside the paper's figure with the relative error.
+
+    python benchmarks/published.py                         # the Markdown table (docs/published.md has it)
+    python benchmarks/published.py --json out.json         # the rows as JSON as well
+    python benchmarks/published.py --count-kernels         # the microbenchmark behind runtimes.yaml (CPU)
+
+Pure simulation (a second per row); --count-kernels builds tiny random Llamas (seconds, torch + transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specsim.published import forecast, markdown, misses, setting_from, table_row  # noqa: E402
+
+PUBLISHED = REPO / "conf" / "published"
+
+
+def paper_files(names: list[str] | None = None) -> list[Path]:
+    files = sorted(p for p in PUBLISHED.glob("*.yaml") if p.stem != "runtimes")
+    return [p for p in files if not names or p.stem in names]
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def row_overrides(paper: dict[str, Any], row: dict[str, Any]) -> list[str]:
+    """What `python run.py` would be given for this row (task=simulate: nothing is decoded)."""
+    experiment = row.get("experiment", paper["experiment_default"])
+    return [f"experiment={experiment}", "task=simulate", *row.get("overrides", [])]
+
+
+def rows(names: list[str] | None = None) -> list[dict[str, Any]]:
+    from run import compose_run_config
+
+    runtimes = load_yaml(PUBLISHED / "runtimes.yaml")
+    out = []
+    for path in paper_files(names):
+        paper = load_yaml(path)
+        for row in paper["rows"]:
+            cfg = compose_run_config(*row_overrides(paper, row))
+            f = forecast(cfg, setting_from(paper, runtimes, row))
+            extra = {"alpha": f.alpha, "command": row_overrides(paper, row)}
+            out.append(table_row(paper["paper"], row, f) | extra)
+    return out
+
+
+def count_kernels(layers: tuple[int, int] = (2, 8), reps: int = 40) -> dict[str, float]:
+    """Top-level aten ops and host time of one eager HF Llama forward (one token over a 128-token cache) at
+    two depths: ops per decoder layer, fixed ops, host µs per op. Tiny widths: the time is the framework's."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    ops, secs = {}, {}
+    for n in layers:
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=n,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            cache = model(torch.randint(0, 256, (1, 128)), use_cache=True).past_key_values
+            token = torch.randint(0, 256, (1, 1))
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                model(token, past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - t)
+                cache.crop(-1)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(token, past_key_values=cache, use_cache=True)
+        top = [e for e in prof.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        ops[n], secs[n] = len(top), sorted(times)[len(times) // 2]
+    lo, hi = layers
+    per_layer = (ops[hi] - ops[lo]) / (hi - lo)
+    host_per_layer = (secs[hi] - secs[lo]) / (hi - lo)
+    return {"ops_per_layer": per_layer, "fixed_ops": ops[lo] - lo * per_layer,
+            "host_us_per_layer": host_per_layer * 1e6, "host_us_per_op": host_per_layer * 1e6 / per_layer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--papers", nargs="*", help="paper files to run (stems of conf/published/*.yaml)")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--count-kernels", action="store_true", help="run the kernel-count microbenchmark only")
+    args = ap.parse_args(argv)
+    if args.count_kernels:
+        print(json.dumps(count_kernels(), indent=1))
+        return 0
+    table = rows(args.papers)
+    print(markdown(table))
+    for r in misses(table):
+        print(f"miss > 15%: {r['paper']} {r['row']}: speedup {r['speedup_error']:+.0%}, "
+              f"t_AR {r['ar_error']:+.0%}" if not math.isnan(r["ar_error"]) else
+              f"miss > 15%: {r['paper']} {r['row']}: speedup {r['speedup_error']:+.0%}")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
