@@ -100,7 +100,9 @@ def _alpha_model(cfg: RunConfig, alpha: float) -> AcceptanceModel:
 
 
 def solve_alpha(tau_of: Callable[[float], float], tau: float, lo: float = 0.0, hi: float = 0.999) -> float:
-    """α with τ(α) = ``tau`` by bisection (τ grows with α); raises when τ is out of the tree's reach."""
+    """α with τ(α) = ``tau`` by bisection (τ grows with α); raises when τ is out of the tree's reach.
+    Where the tree itself is rebuilt from α (EAGLE-2's budgeted tree) τ(α) steps a little: the match is
+    that close."""
     t_lo, t_hi = tau_of(lo), tau_of(hi)
     if not t_lo <= tau <= t_hi:
         raise ValueError(f"τ = {tau} is outside [{t_lo:.3f}, {t_hi:.3f}], the reach of this tree")

@@ -1,0 +1,113 @@
+"""specsim.overheads (launch model) and specsim.published (α from τ, errors, the table): pure maths on small
+inputs; the presets themselves are composed in tests/test_published_presets.py."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specsim import IIDAcceptance, MeasuredCost, Tree, chain_expected_tokens, expected_tokens
+from specsim.overheads import KernelCount, LaunchBound, Runtime, head_shape, step_overhead_s
+from specsim.published import markdown, misses, relative_error, setting_from, solve_alpha, table_row
+
+FLAT = MeasuredCost((1,), (1e-3,))  # a 1 ms forward whatever n
+EAGER = Runtime("eager", graph=False, host_us_per_kernel=10.0, kernel_floor_us=2.0)
+GRAPH = Runtime("graph", graph=True, host_us_per_kernel=0.0, kernel_floor_us=2.0, graph_launch_us=5.0)
+
+
+def test_kernel_count_is_per_layer_plus_fixed():
+    assert KernelCount(55, 25).of(32) == 55 * 32 + 25
+    assert KernelCount(55, 25).of(0) == 25
+
+
+def test_eager_forward_is_the_larger_of_host_and_device():
+    few = LaunchBound(FLAT, kernels=10, runtime=EAGER, bandwidth=1e12)  # host 0.1 ms < device 1.02 ms
+    many = LaunchBound(FLAT, kernels=1000, runtime=EAGER, bandwidth=1e12)  # host 10 ms > device 3 ms
+    assert few.time(1) == pytest.approx(1e-3 + 10 * 2e-6)
+    assert many.time(1) == pytest.approx(1000 * 10e-6)
+
+
+def test_graph_forward_pays_one_launch_and_the_kernel_floors():
+    g = LaunchBound(FLAT, kernels=1000, runtime=GRAPH, bandwidth=1e12)
+    assert g.time(1) == pytest.approx(5e-6 + 1e-3 + 1000 * 2e-6)
+    assert g.time(1) < LaunchBound(FLAT, kernels=1000, runtime=EAGER, bandwidth=1e12).time(1)
+
+
+def test_tree_mask_costs_bytes_over_bandwidth_and_only_for_trees():
+    bw, ctx, layers = 1e9, 100, 4
+    lb = LaunchBound(FLAT, kernels=0, runtime=GRAPH, bandwidth=bw, context_tokens=ctx, mask_layers=layers)
+    assert lb.time(1) == pytest.approx(5e-6 + 1e-3)  # one token: no mask
+    n = 16
+    assert lb.time(n) - lb.time(1) == pytest.approx(2.0 * n * (ctx + n) * layers / bw)
+    t = lb.time(np.array([1, 8, 64]))
+    assert np.all(np.diff(t) > 0)
+
+
+def test_step_overhead_counts_kv_gathers_and_bookkeeping():
+    assert step_overhead_s(EAGER, n_layers=32, fixed_kernels=30) == pytest.approx((64 + 30) * 10e-6)
+    assert step_overhead_s(GRAPH, n_layers=32, fixed_kernels=30) == pytest.approx((64 + 30) * 2e-6)
+
+
+def test_head_shape_counts_its_parameters():
+    h, v, i = 4096, 32000, 11008
+    eagle = head_shape(h, v, layers=1, intermediate=i, extra_params=2.0 * h * h)
+    assert eagle.params == pytest.approx(4 * h * h + 3 * h * i + h * v + 2 * h * h)
+    medusa = head_shape(h, v, lm_heads=4, extra_params=4.0 * h * h)
+    assert medusa.params == pytest.approx(4 * (h * v + h * h))
+    assert medusa.weight_bytes == pytest.approx(2 * medusa.params)
+
+
+def test_relative_error_and_missing_figures():
+    assert relative_error(3.3, 3.0) == pytest.approx(0.1)
+    assert relative_error(2.7, 3.0) == pytest.approx(-0.1)
+    assert math.isnan(relative_error(2.0, None))
+    assert math.isnan(relative_error(float("nan"), 2.0))
+
+
+@settings(max_examples=25, deadline=None)
+@given(alpha=st.floats(0.05, 0.95), gamma=st.integers(1, 8))
+def test_solve_alpha_inverts_the_chain_closed_form(alpha, gamma):
+    tau = float(chain_expected_tokens(alpha, gamma))
+    chain = Tree.chain(gamma)
+    solved = solve_alpha(lambda a: expected_tokens(chain, IIDAcceptance(a)), tau)
+    assert solved == pytest.approx(alpha, abs=1e-6)
+
+
+def test_solve_alpha_refuses_a_tau_the_tree_cannot_reach():
+    chain = Tree.chain(2)  # τ <= 3
+    with pytest.raises(ValueError, match="outside"):
+        solve_alpha(lambda a: expected_tokens(chain, IIDAcceptance(a)), 3.5)
+
+
+RUNTIMES = {
+    "kernels": {"hf_llama_eager": {"per_layer": 55, "fixed": 25}},
+    "runtimes": {"eager": {"graph": False, "host_us_per_kernel": 7.5, "kernel_floor_us": 2.9},
+                 "graph": {"graph": True, "host_us_per_kernel": 0.0, "kernel_floor_us": 2.9}},
+    "step_fixed_kernels": 30,
+}
+
+
+def test_setting_from_merges_paper_and_row_and_reads_tau_only_when_asked():
+    paper = {"setting": {"target_runtime": "eager", "draft_runtime": "graph", "draft": "model"}}
+    row = {"id": "r", "published": {"speedup": 3.0, "tau": 4.0},
+           "setting": {"draft": "eagle_head", "head_kernels": 10, "tau_from_published": True}}
+    s = setting_from(paper, RUNTIMES, row)
+    assert (s.draft, s.head_kernels, s.tau) == ("eagle_head", 10, 4.0)
+    assert s.target_runtime.name == "eager" and not s.target_runtime.graph and s.draft_runtime.graph
+    assert setting_from(paper, RUNTIMES, {"id": "r", "published": {"tau": 4.0}}).tau is None
+
+
+def test_table_row_markdown_and_misses():
+    from specsim.published import Forecast
+
+    f = Forecast(speedup=3.3, tau=4.0, t_ar_ms=10.0, t_step_ms=12.0, tree_size=26, tree_depth=5, alpha=0.7,
+                 roofline_speedup=3.6)
+    ok = table_row("P", {"id": "near", "published": {"speedup": 3.0}}, f)
+    far = table_row("P", {"id": "far", "published": {"speedup": 2.0, "baseline_ms": 20.0}}, f)
+    assert ok["speedup_error"] == pytest.approx(0.1) and math.isnan(ok["ar_error"])
+    assert far["ar_error"] == pytest.approx(-0.5)
+    assert [r["row"] for r in misses([ok, far])] == ["far"]
+    text = markdown([ok, far])
+    assert "| P | near | 3.00 | 3.30 | +10% |" in text and "–" in text and "-50%" in text
