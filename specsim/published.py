@@ -152,8 +152,8 @@ def setting_from(paper: Mapping[str, Any], runtimes: Mapping[str, Any], row: Map
 
 
 COLUMNS = ("paper", "row", "published_speedup", "predicted_speedup", "speedup_error", "roofline_speedup",
-           "published_tau", "predicted_tau", "published_ar_ms", "predicted_ar_ms", "ar_error", "tree",
-           "inputs", "source")
+           "published_tau", "predicted_tau", "tau_at_published", "published_ar_ms", "predicted_ar_ms",
+           "ar_error", "tree", "inputs", "source")
 
 
 def table_row(paper: str, row: Mapping[str, Any], f: Forecast) -> dict[str, Any]:
@@ -166,6 +166,8 @@ def table_row(paper: str, row: Mapping[str, Any], f: Forecast) -> dict[str, Any]
         "speedup_error": relative_error(f.speedup, sp),
         "roofline_speedup": f.roofline_speedup,
         "published_tau": pub.get("tau"), "predicted_tau": f.tau,
+        # the τ this step cost would need to give the published speedup: a miss's share of acceptance vs cost
+        "tau_at_published": sp * f.t_step_ms / f.t_ar_ms if sp else math.nan,
         "published_ar_ms": ar, "predicted_ar_ms": f.t_ar_ms, "ar_error": relative_error(f.t_ar_ms, ar),
         "tree": f"{f.tree_size} nodes, depth {f.tree_depth}", "inputs": row.get("inputs", "published"),
         "source": row.get("source", ""),

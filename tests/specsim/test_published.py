@@ -107,7 +107,8 @@ def test_table_row_markdown_and_misses():
     ok = table_row("P", {"id": "near", "published": {"speedup": 3.0}}, f)
     far = table_row("P", {"id": "far", "published": {"speedup": 2.0, "baseline_ms": 20.0}}, f)
     assert ok["speedup_error"] == pytest.approx(0.1) and math.isnan(ok["ar_error"])
+    assert ok["tau_at_published"] == pytest.approx(3.0 * 12.0 / 10.0)  # S = τ · t_AR / t_step, solved for τ
     assert far["ar_error"] == pytest.approx(-0.5)
     assert [r["row"] for r in misses([ok, far])] == ["far"]
     text = markdown([ok, far])
-    assert "| P | near | 3.00 | 3.30 | +10% |" in text and "–" in text and "-50%" in text
+    assert "| P | near | 3.00 | 3.30 | +10% | 3.60 |" in text and "–" in text and "-50%" in text
