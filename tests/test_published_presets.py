@@ -71,7 +71,8 @@ def test_sequoia_inputs_are_the_published_vector(run_config):
     assert cfg.hardware.memory_bandwidth_gbs == 1935.0  # the A100 bandwidth Sequoia's on-chip table lists
 
 
-@pytest.mark.parametrize("model", ["llama2_7b", "llama2_13b", "llama2_70b", "vicuna_7b", "vicuna_13b"])
+@pytest.mark.parametrize("model", ["llama2_7b", "llama2_13b", "llama2_70b", "vicuna_7b", "vicuna_13b",
+                                   "llama2_7b_32k"])
 def test_model_params_match_their_shapes(run_config, model):
     """params = layers · (attention + MLP) + embedding and LM head, within 1% (norms are negligible)."""
     m = run_config(f"model={model}", "task=simulate").model
@@ -88,3 +89,17 @@ def test_runner_renders_the_table(capsys):
     out = capsys.readouterr().out
     assert "| Medusa | Medusa-1 Vicuna-7B | 1.97 |" in out
     assert out.count("| Medusa |") == len(_paper("medusa")["rows"])
+
+
+def test_magicdec_curve(capsys):
+    """MagicDec's batch table: one row per (context, α), a speedup per batch that fits, and the α reaching the
+    published maximum within (0, 1)."""
+    runner = _runner()
+    table = runner.magicdec()
+    spec = yaml.safe_load((PUBLISHED / "batch" / "magicdec.yaml").read_text())
+    assert len(table) == len(spec["contexts"]) * len(spec["alphas"])
+    for row in table:
+        assert 0 < row["alpha_for_published"] < 1
+        values = [row[f"B={b}"] for b in spec["batches"]]
+        assert math.isfinite(values[0]) and values[0] > 0  # batch 1 always fits
+    assert runner.main(["--magicdec"]) == 0 and "alpha_for_published" in capsys.readouterr().out

@@ -112,3 +112,37 @@ def test_table_row_markdown_and_misses():
     assert [r["row"] for r in misses([ok, far])] == ["far"]
     text = markdown([ok, far])
     assert "| P | near | 3.00 | 3.30 | +10% | 3.60 |" in text and "–" in text and "-50%" in text
+
+
+# ---- MagicDec's minimal batch pricing (specsim.magicdec; to be reconciled with batch-sim's t(B, n)) -----
+def _batch_cost(**kw):
+    from specsim.cost import ModelShape
+    from specsim.magicdec import BatchCost
+
+    shape = ModelShape(6.738e9, 2.0, 32, 4096, 32, 32)  # Llama-2-7B: 0.5 MB of KV per token
+    return BatchCost(shape, bandwidth=1.6e12, flops=1.9e14, **kw)
+
+
+def test_batch_cost_adds_kv_bytes_per_sequence_and_splits_over_tensor_parallel_gpus():
+    one, eight = _batch_cost(), _batch_cost(tp=8)
+    kv = 2 * 32 * 4096 * 2.0
+    assert one.time(4, 1, 1000) - one.time(0, 1, 1000) == pytest.approx(4 * 1000 * kv / 1.6e12)
+    assert eight.time(4, 1, 1000) == pytest.approx(one.time(4, 1, 1000) / 8)  # no link: no all-reduce priced
+    assert _batch_cost(tp=8, link=3e11).time(4, 1, 1000) > eight.time(4, 1, 1000)
+
+
+def test_batch_cost_checks_memory():
+    c = _batch_cost(tp=1, memory_bytes=80e9)
+    assert c.fits(1, 1000) and not c.fits(256, 32000)
+
+
+def test_sparse_kv_self_speculation_gains_with_batch_on_long_contexts():
+    """MagicDec's claim as a property of the model: a fixed draft KV budget makes S grow with B once the KV
+    cache outweighs the weights; self-speculation cannot win at B = 1 when the draft reads every weight."""
+    from specsim.magicdec import self_spec_speedup
+
+    c = _batch_cost(tp=8)
+    s = [self_spec_speedup(c, b, 16000, budget=256, gamma=3, alpha=0.8) for b in (1, 8, 32, 128)]
+    assert all(np.diff(s) > 0)
+    no_sparsity = self_spec_speedup(c, 1, 256, budget=256, gamma=3, alpha=0.8)
+    assert no_sparsity < 1
