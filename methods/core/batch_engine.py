@@ -76,8 +76,10 @@ class BatchEngine:
       the rows ``rows`` (a slice; default all); ``forward(tokens, anc, depths, hidden=False) -> BatchOut``:
       ONE forward of n pending nodes on every active row (tokens (B, n), ancestor-or-self masks (B or 1, n,
       n) bool, depths (B or 1, n)); ``forward_trees(tokens, trees)``: the same from per-row ``Tree``s padded
-      to the largest; ``commit(paths)``: keep each row's accepted pending nodes (ascending, root first),
-      drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes of each row (chains)."""
+      to the largest; ``extend(tokens, anc (B or 1, n, P + n), depths)``: n more pending nodes after the P
+      pending ones (a draft tree level by level); ``commit(paths)``: keep each row's accepted pending nodes
+      (ascending, root first), drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes
+      of each row (chains)."""
 
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int | None = None, fast: bool = True,
                  pack: bool | None = None):
@@ -163,6 +165,7 @@ class BatchEngine:
         """Append committed tokens (one (T_b,) tensor per row of ``rows``, ragged; T_b may be 0) causally,
         in one forward; logits at each row's last token ((b, 1, V); rows with T_b = 0: garbage), and the
         hidden states of all (b, max T, H) if asked. None when every row's ids are empty."""
+        assert self.pending == 0, "commit pending nodes before a prefill"
         rows = rows or slice(0, self.rows)
         counts = [int(x.numel()) for x in ids]
         assert len(counts) == rows.stop - rows.start, "one ids tensor per row"
@@ -186,6 +189,14 @@ class BatchEngine:
         root, whose parent is the committed prefix), anc (B or 1, n, n) bool ancestor-or-self, depths (B or
         1, n) long. Rows with fewer nodes pad with nodes that see only the prefix and themselves."""
         assert self.pending == 0, "commit the previous forward's nodes first"
+        return self.extend(tokens, anc, depths, hidden)
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, hidden: bool = False
+               ) -> BatchOut:
+        """Append n more pending nodes to each active row, after its P pending ones (a draft tree grown
+        level by level): anc (B or 1, n, P + n) bool, over the row's pending nodes then these; depths (B or 1,
+        n): positions are lengths[b] + depth (the committed root is at depth -1)."""
         return self._run(tokens.to(self.device), anc.to(self.device), depths.to(self.device),
                          slice(0, self.rows), hidden)
 
@@ -222,14 +233,15 @@ class BatchEngine:
     def _run(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, rows: slice, hidden: bool,
              last: torch.Tensor | None = None) -> BatchOut:
         b, n = tokens.shape
+        p0 = self.pending
         lens = self._len[rows]  # (b,)
-        width = max(self.lengths[rows], default=0) + n
+        width = max(self.lengths[rows], default=0) + p0 + n
         self._ensure(width)
         self.check_fits(width)
         self._rows, self._width = rows, width
         self._write_rows = self._arange[rows.start : rows.stop, None]  # (b, 1)
-        self._write_cols = lens[:, None] + self._arange[:n]  # (b, n)
-        mask = self._mask(lens, anc, n, width)  # (b, 1, n, W)
+        self._write_cols = lens[:, None] + p0 + self._arange[:n]  # (b, n)
+        mask = self._mask(lens, anc, p0 + n, width)  # (b, 1, n, W)
         position = lens[:, None] + depths  # (b, n)
         if self.fast is not None:
             x = self.fast.embed_tokens(tokens.reshape(-1))
@@ -239,20 +251,20 @@ class BatchEngine:
             out = self.base(input_ids=tokens, attention_mask=mask.to(self.dtype), position_ids=position,
                             past_key_values=self.cache, use_cache=True)
             h = out.last_hidden_state  # (b, n, H)
-        self.pending = n
+        self.pending = p0 + n
         h_out = h if last is None else h[torch.arange(b, device=h.device), last][:, None]
         flat = h_out.reshape(-1, h_out.shape[-1])
         logits = self.fast.logits(flat) if self.fast is not None else self.head(flat)
         return BatchOut(logits.float().view(b, h_out.shape[1], -1), h if hidden else None)
 
-    def _mask(self, lens: torch.Tensor, anc: torch.Tensor, n: int, width: int) -> torch.Tensor:
-        """(b, 1, n, W) additive mask: column c of row b is its prefix (c < lens[b]: 0), its pending node
-        j = c - lens[b] (0 where anc[b, i, j], else -inf), or past them (-inf)."""
-        b = lens.shape[0]
+    def _mask(self, lens: torch.Tensor, anc: torch.Tensor, p: int, width: int) -> torch.Tensor:
+        """(b, 1, n, W) additive mask for n new nodes: column c of row b is its prefix (c < lens[b]: 0), its
+        pending node j = c - lens[b] < p (0 where anc[b, i, j], else -inf), or past them (-inf)."""
+        b, n = lens.shape[0], anc.shape[1]
         rel = self._arange[:width][None] - lens[:, None]  # (b, W)
-        pending = (rel >= 0) & (rel < n)
-        idx = rel.clamp(0, n - 1)[:, None].expand(b, n, width)
-        tree = anc.expand(b, n, n).gather(2, idx) & pending[:, None]  # (b, n, W)
+        pending = (rel >= 0) & (rel < p)
+        idx = rel.clamp(0, p - 1)[:, None].expand(b, n, width)
+        tree = anc.expand(b, n, p).gather(2, idx) & pending[:, None]  # (b, n, W)
         allowed = tree | (rel < 0)[:, None]
         zero = torch.zeros((), dtype=self.kv_dtype, device=self.device)
         return torch.where(allowed, zero, torch.full((), self._neg, dtype=self.kv_dtype,
