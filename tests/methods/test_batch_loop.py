@@ -124,3 +124,9 @@ def test_batchable_declaration_covers_the_registry():
     assert set(BATCHABLE) == set(names())
     for name, how in BATCHABLE.items():
         assert how in ("batched", "per_row") or how.startswith("no: "), (name, how)
+
+
+@pytest.mark.parametrize("method", ["autoregressive", "vanilla", "prompt_lookup", "medusa", "lookahead"])
+def test_batchable_methods_pass_the_config_checks(run_module, run_config, method):
+    """workload.batch_size > 1 on specsim's engine is accepted for every method whose drafter batches."""
+    run_module.check_runnable(run_config(f"method={method}", "workload.batch_size=8", "model=random_tiny"))
