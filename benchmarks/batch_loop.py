@@ -7,7 +7,8 @@ Each batch decodes B workload prompts (code, test split) for --new-tokens tokens
 continuous joining, so every row runs the whole time unless it hits EOS). Figures are medians over --reps
 interleaved repetitions; tok/s counts generated tokens over the decode time (prefill left out: the anchor,
 vLLM's CPU build at batch 16 on the zoo target, ~1,600-2,000 tok/s bf16 one thread, is a steady-state figure),
-over the whole time, and over the process's CPU time (one thread: what a loaded machine distorts least).
+over the whole time, and over the process's CPU time of the decode (one thread: what a loaded machine
+distorts least; the prefill's CPU time, timed by a one-token run, is taken off).
 "outside" = the decode time outside the target forward (drafting included); "overhead" = outside minus
 drafting: the loop's own work (verification, commit, bookkeeping).
 
@@ -45,12 +46,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
-    """tok/s over the decode time and the whole time; over the process's CPU time (one thread: the time
-    it actually ran, a figure a loaded machine distorts less); the share of the decode time outside the
+    """tok/s over the decode time and the whole time; over the process's CPU time of the decode (``cpu_s``:
+    one thread, the time it actually ran, a figure a loaded machine distorts less; the prefill's CPU time,
+    timed by a one-token run, taken off); the share of the decode time outside the
     target forward, and of it what is neither the forward nor drafting (the loop's own overhead)."""
     decode_s = r.time_total_s - r.time_prefill_s
     return {"decode_tok_s": r.tokens / decode_s, "total_tok_s": r.tokens / r.time_total_s,
-            "cpu_tok_s": r.tokens / cpu_s, "outside": 1 - r.time_forward_s / decode_s,
+            "cpu_tok_s": (r.tokens - len(r.results)) / cpu_s, "outside": 1 - r.time_forward_s / decode_s,
             "overhead": 1 - (r.time_forward_s + r.time_draft_s) / decode_s, "tau": r.stats.tau}
 
 
@@ -63,13 +65,16 @@ def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens
     engines = {b: BatchEngine(models.target, b, capacity=room) for b in sizes}
     sides = {b: {"ar": batched(Autoregressive(), b), "vanilla": batched(draft, b)} for b in sizes}
     runs: dict[int, dict[str, list[dict]]] = {b: {"ar": [], "vanilla": []} for b in sizes}
+    one = DecodeOptions(max_new_tokens=1)  # the prefill and one step: its CPU time is taken off the decode's
     for rep in range(reps + 1):  # the first is the warm-up
         for b in sizes:
             for name, side in sides[b].items():
                 cpu = time.process_time()
+                decode_batch(engines[b], side, prompts[:b], one, torch.Generator())
+                cpu_prefill = time.process_time() - cpu
                 r = decode_batch(engines[b], side, prompts[:b], opts, torch.Generator())
                 if rep:
-                    runs[b][name].append(_rates(r, time.process_time() - cpu))
+                    runs[b][name].append(_rates(r, time.process_time() - cpu - 2 * cpu_prefill))
     return {b: {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in per.items()}
             for b, per in runs.items()}
 

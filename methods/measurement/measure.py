@@ -129,7 +129,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling, tree_cfg=cfg.tree)
     baseline = Autoregressive()
     backbone, backbone_name = backbone_of(drafter, models, cfg.model.name)  # one target for both sides
-    target = ModelEngine(backbone)
+    target = ModelEngine(backbone) if w.batch_size == 1 else None  # batches: a BatchEngine of their own
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     eos = models.tokenizer.eos_token_id
     opts = DecodeOptions.for_method(cfg.method, sampling, w.max_new_tokens, eos)
