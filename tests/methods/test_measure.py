@@ -181,9 +181,17 @@ def test_timers_and_speedups_on_a_fake_clock(run_config, tmp_path, monkeypatch):
     from methods.core import loop as loop_module
     from methods.measurement import measure as measure_module
 
+    from methods.measurement import cost_table, staleness
+
     monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path))
+    # the profile must stay cached from the real-clock run: on a busy machine scattered timings are not cached
+    # and a t(1) off the run's marks the profile stale, and the second run would then calibrate on the fake
+    # clock, where every timed interval is 0
+    monkeypatch.setattr(cost_table, "MAX_TIMING_DISPERSION", float("inf"))
+    monkeypatch.setattr(staleness, "mark_stale", lambda *args: False)
     cfg = run_config(*SMALL, "method=vanilla", "warmup=0")
     measure(cfg, show_progress=False)  # calibrate the profile on the real clock first (cached in tmp_path)
+    assert any((tmp_path / "profiles").glob("*.json")), "the real-clock run cached no profile"
     clock, target_model = _Clock(), [None]  # the model of the loop's target engine (not the draft's)
     for name in ("forward_tree", "prefill"):
         real = getattr(engine_module.ModelEngine, name)
