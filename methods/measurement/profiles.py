@@ -392,5 +392,10 @@ def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict
     for suffix, pred in (("this_device", this_device), ("hardware", preset)):
         out.update({f"predicted_tau_{suffix}": pred["predicted_tau"],
                     f"predicted_speedup_{suffix}": pred["predicted_speedup"],
-                    f"predicted_t_step_s_{suffix}": pred["t_step_s"]})
+                    f"predicted_t_step_s_{suffix}": pred["t_step_s"],
+                    # the step's terms, for a term-by-term comparison with the measured times
+                    # (analysis.validation): draft, verify (t(n) + the loop's verification), t(1)
+                    f"predicted_t_draft_s_{suffix}": pred["t_draft_s"],
+                    f"predicted_t_verify_s_{suffix}": pred["t_verify_s"],
+                    f"predicted_t_ar_s_{suffix}": pred["t_ar_s"]})
     return out
