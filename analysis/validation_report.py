@@ -39,7 +39,8 @@ def row_table(table: pd.DataFrame) -> pd.DataFrame:
     """The per-row table as it is published: methods first, then trees, workloads, temperature."""
     t = table.sort_values(["method", "row_tree", "workload", "temperature"])
     return pd.DataFrame({
-        "method": t["method"], "tree": t["row_tree"], "n": t["tree_size"], "workload": t["workload"],
+        "method": t["method"], "tree": t["row_tree"], "n": t["tree_size"].map(lambda x: f"{x:.0f}"),
+        "workload": t["workload"],
         "T": t["temperature"].map(lambda x: f"{x:g}"),
         "τ pred": t["tau_pred"].map("{:.2f}".format), "τ meas": t["tau_meas"].map("{:.2f}".format),
         "τ err": t["tau_err"].map(_pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),

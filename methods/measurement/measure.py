@@ -150,7 +150,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
-        predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}
+        predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup,
+                       "predicted_decode_speedup": pred.predicted_decode_speedup,
+                       "predicted_tokens_per_forward": pred.tokens_per_forward}
     else:  # the profile's t(1) against this run's own baseline step: if stale, predict with the run's t(1)
         profile, judged = judge_profile(profile, profile_path(pcfg), base_t.steps)
         predictions.update(judged)

@@ -149,7 +149,6 @@ def test_a_perfect_prediction_has_no_error_and_no_term():
     ({"predicted_tau": 3.6}, "acceptance"),
     ({"predicted_t_draft_s_this_device": 0.0}, "draft"),
     ({"predicted_t_verify_s_this_device": 0.025}, "verify"),
-    ({"predicted_t_ar_s_this_device": 0.013}, "t1"),
     ({"time_total_s": 0.31}, "overhead"),  # 0.1 s of the loop in neither draft nor verify
     ({"n_tokens": 24}, "truncation"),  # the last steps cut at max_new_tokens
 ])
@@ -162,10 +161,28 @@ def test_a_miss_is_attributed_to_the_term_that_is_wrong(over, term):
     assert t.loc[0, others].abs().max() < 1e-9
 
 
+def test_a_machine_slower_than_at_calibration_moves_no_term():
+    # every predicted cost 30% above this run's: the same ratios to t(1), the same speedup
+    t = errors(pd.DataFrame([_run(predicted_t_ar_s_this_device=0.013, predicted_t_draft_s_this_device=0.0065,
+                                  predicted_t_verify_s_this_device=0.0195)])).loc[0]
+    assert t["speedup_err"] == pytest.approx(0) and t["load"] == pytest.approx(0.3)
+    assert t[list(TERMS)].abs().max() < 1e-9
+
+
+def test_a_predicted_cut_at_max_new_tokens_matches_the_measured_one():
+    # the simulator's τ_N (tokens per forward for max_new_tokens) equals the measured 24 tokens / 10 forwards
+    run = _run(n_tokens=24, predicted_tokens_per_forward=2.4)
+    run["predicted_decode_speedup"] = 2.4 * 0.01 / 0.02
+    t = errors(pd.DataFrame([run])).loc[0]
+    assert t["speedup_err"] == pytest.approx(0) and t["steady_speedup_pred"] == pytest.approx(1.5)
+    assert t[list(TERMS)].abs().max() < 1e-9
+
+
 def test_the_terms_add_up_to_the_log_error():
     rng = np.random.default_rng(0)
     runs = [_run(predicted_tau=3 * rng.uniform(0.8, 1.2), time_draft_s=0.05 * rng.uniform(0.5, 2),
                  time_total_s=0.25, predicted_t_verify_s_this_device=0.015 * rng.uniform(0.8, 1.5),
+                 predicted_t_ar_s_this_device=0.01 * rng.uniform(0.7, 1.3),
                  n_tokens=int(rng.integers(26, 31))) for _ in range(20)]
     df = pd.DataFrame(runs)
     c = term_contributions(df)
