@@ -31,7 +31,7 @@ def failures(df: pd.DataFrame) -> pd.DataFrame:
     return bad[["row_id", "status", "error"]].reset_index(drop=True)
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
     return "–" if not np.isfinite(x) else f"{x:+.1%}"
 
 
@@ -43,9 +43,9 @@ def row_table(table: pd.DataFrame) -> pd.DataFrame:
         "workload": t["workload"],
         "T": t["temperature"].map(lambda x: f"{x:g}"),
         "τ pred": t["tau_pred"].map("{:.2f}".format), "τ meas": t["tau_meas"].map("{:.2f}".format),
-        "τ err": t["tau_err"].map(_pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),
+        "τ err": t["tau_err"].map(pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),
         "S pred": t["speedup_pred"].map("{:.2f}".format), "S meas": t["speedup_meas"].map("{:.2f}".format),
-        "S err": t["speedup_err"].map(_pct), "diagnosis": t["diagnosis"],
+        "S err": t["speedup_err"].map(pct), "diagnosis": t["diagnosis"],
     })
 
 
@@ -69,7 +69,7 @@ def report(path: str | Path, worst: int = 10) -> str:
     worst_rows = table.reindex(table["speedup_err"].abs().sort_values(ascending=False).index[:worst])
     parts = ["## Summary", *summary_lines(summary(table)), "",
              "## Terms (mean contribution to S_pred/S_meas − 1)",
-             to_markdown(term_table(table).map(_pct).reset_index()), "",
+             to_markdown(term_table(table).map(pct).reset_index()), "",
              f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows)), "",
              "## Rows", to_markdown(row_table(table))]
     bad = failures(df)
@@ -78,4 +78,4 @@ def report(path: str | Path, worst: int = 10) -> str:
     return "\n".join(parts)
 
 
-__all__ = ["TERMS", "failures", "load_validation", "report", "row_table", "summary_lines"]
+__all__ = ["TERMS", "failures", "load_validation", "pct", "report", "row_table", "summary_lines"]

@@ -223,16 +223,43 @@ def test_failed_and_unmeasured_runs_are_not_rows():
 
 
 # ---- real runs ------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_small_sweep_report(validation_micro_sweep):
-    from analysis.validation_report import load_validation, report
+MICRO = REPO / "tests" / "data" / "validation_micro"  # committed: `run --small --workloads code` (real runs)
 
-    df = load_validation(validation_micro_sweep)
+
+def test_the_committed_small_sweep_is_the_drivers_small_sweep_of_real_runs():
+    from analysis.validation_report import load_validation
+
+    df = load_validation(MICRO)
+    expected = {r.row_id for r in vr.rows(vr.SMALL_METHODS, ["code"], [0.0, 1.0], vr.SMALL)}
+    assert set(df["row_id"]) == expected and (df["status"] == "ok").all()
+    assert set(df["model"]) == {"micro"} and set(df["task"]) == {"measure"}
     t = errors(df)
-    assert set(t["method"]) >= {"autoregressive", "vanilla"} and len(t) == len(df[df["status"] == "ok"])
     real = t[t["method"] != "autoregressive"]
     # every drafter row carries the prediction's parts and the measured ones: the terms are all there
     assert real[[f"{p}_pred" for p in ("t_ar", "t_draft", "t_verify")]].notna().all().all()
-    assert real["residual"].abs().max() < 1e-6
-    text = report(validation_micro_sweep)
-    assert "## Summary" in text and f"- rows: {len(t)}" in text
+    assert real["residual"].abs().max() < 1e-9
+    assert (t["tau_meas"] >= 1).all() and (t["speedup_meas"] > 0).all()
+
+
+def test_report_of_the_committed_small_sweep():
+    from analysis.validation_report import report
+
+    text = report(MICRO)
+    assert "## Summary" in text and "- rows: 10" in text
+    assert "| sequoia | sequoia32 | 32 | code | 1 |" in text
+
+
+@pytest.mark.slow
+def test_the_driver_runs_real_rows_on_micro(tmp_path):
+    from analysis.validation_report import load_validation
+
+    rows = vr.rows(["autoregressive", "prompt_lookup"], ["code"], [0.0], vr.SMALL)
+    out = vr.run_rows(rows, tmp_path, progress=False)
+    assert [o.status for o in out] == ["done", "done"], [o.error for o in out]
+    t = errors(load_validation(tmp_path))
+    assert list(t.sort_values("method")["method"]) == ["autoregressive", "prompt_lookup"]
+    pl = t[t["method"] == "prompt_lookup"].iloc[0]
+    assert np.isfinite(pl["speedup_err"]) and abs(pl["residual"]) < 1e-9
+    assert np.isfinite(pl["tau_se_rel"])
+    again = vr.run_rows(rows, tmp_path, progress=False)  # resumable: nothing runs twice
+    assert [o.status for o in again] == ["skipped", "skipped"]
