@@ -36,6 +36,9 @@ TERMS = ("acceptance", "truncation", "draft", "verify", "overhead", "baseline")
 # the issue's four terms of the model: what each contribution belongs to
 TERM_GROUP = {"acceptance": "acceptance model", "truncation": "acceptance model", "verify": "t(n)",
               "draft": "draft cost", "overhead": "overhead", "baseline": "overhead"}
+# a profile whose timing rounds scattered more than this (relative IQR) was timed on a busy machine: its
+# costs are not a verdict on the model (methods.measurement.cost_table.MAX_TIMING_DISPERSION, same bound)
+MAX_DISPERSION = 0.25
 PRED = "_this_device"  # the prediction validated on this device (methods.measurement.profiles)
 
 
@@ -122,7 +125,7 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok[_num(ok, "tau").notna()]
     out = pd.DataFrame(index=ok.index)
     for col in ("method", "row_tree", "tree", "workload", "temperature", "tree_size", "profile_stale",
-                "row_id", "run_dir"):
+                "timing_dispersion", "run_t1_dispersion", "row_id", "run_dir"):
         if col in ok.columns:
             out[col] = ok[col]
     out["tau_pred"], out["tau_meas"] = _num(ok, "predicted_tau"), _num(ok, "tau")
@@ -157,15 +160,35 @@ def diagnose(r: dict) -> str:
             top = max(terms, key=lambda t: abs(terms[t]))
             notes.append(f"S {r['speedup_err']:+.1%}: mostly {top} ({TERM_GROUP[top]}, "
                          f"{np.expm1(terms[top]):+.1%})")
+            if top not in ("acceptance", "truncation") and not timings_held(r):
+                notes[-1] += (f", from costs timed on a busy machine (profile timing dispersion "
+                              f"{r['timing_dispersion']:.0%} > {MAX_DISPERSION:.0%})")
         else:
             notes.append(f"S {r['speedup_err']:+.1%}: no predicted parts to split it")
     return "; ".join(notes)
 
 
+def timings_held(r) -> bool:
+    """The row's profile costs were timed in rounds that agreed (dispersion within MAX_DISPERSION); rows
+    without a profile (autoregressive) hold trivially."""
+    d = r.get("timing_dispersion") if isinstance(r, dict) else r
+    try:
+        return not (d is not None and float(d) > MAX_DISPERSION)
+    except (TypeError, ValueError):
+        return True
+
+
 def summary(table: pd.DataFrame) -> dict[str, float]:
-    """The issue's summary statistics over the rows of :func:`errors`."""
+    """The issue's summary statistics over the rows of :func:`errors`, and the speedup's over the rows whose
+    profile timings held (``held``: the cost side judged on costs that were measured, not on load)."""
     tau, s = table["tau_err"].abs(), table["speedup_err"].abs()
+    held = _num(table, "timing_dispersion").map(timings_held).astype(bool)
     return {
+        "rows_timings_held": int(held.sum()),
+        "speedup_err_median_held": float(s[held].median()) if held.any() else float("nan"),
+        "speedup_err_max_held": float(s[held].max()) if held.any() else float("nan"),
+        "share_speedup_within_10pct_held": float((s[held] <= SPEEDUP_GOAL).mean()) if held.any()
+        else float("nan"),
         "rows": int(len(table)),
         "tau_err_median": float(tau.median()), "tau_err_max": float(tau.max()),
         "speedup_err_median": float(s.median()), "speedup_err_max": float(s.max()),

@@ -263,3 +263,14 @@ def test_the_driver_runs_real_rows_on_micro(tmp_path):
     assert np.isfinite(pl["tau_se_rel"])
     again = vr.run_rows(rows, tmp_path, progress=False)  # resumable: nothing runs twice
     assert [o.status for o in again] == ["skipped", "skipped"]
+
+
+def test_a_cost_miss_on_a_profile_timed_under_load_says_so():
+    busy = errors(pd.DataFrame([_run(predicted_t_draft_s_this_device=0.0, timing_dispersion=1.3),
+                                _run(timing_dispersion=0.05)]))
+    assert "busy machine" in busy.loc[0, "diagnosis"] and busy.loc[1, "diagnosis"] == ""
+    s = summary(busy)
+    assert s["rows_timings_held"] == 1 and s["speedup_err_max_held"] == pytest.approx(0)
+    assert s["speedup_err_max"] == pytest.approx(1 / 3)
+    tau_miss = errors(pd.DataFrame([_run(predicted_tau=3.6, timing_dispersion=1.3)])).loc[0, "diagnosis"]
+    assert "busy machine" not in tau_miss  # a τ-driven miss is not the clock's fault
