@@ -35,9 +35,10 @@ def pct(x: float) -> str:
     return "–" if not np.isfinite(x) else f"{x:+.1%}"
 
 
-def row_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The per-row table as it is published: methods first, then trees, workloads, temperature."""
-    t = table.sort_values(["method", "row_tree", "workload", "temperature"])
+def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
+    """The per-row table as it is published: methods first, then trees, workloads, temperature (or in
+    the table's own order)."""
+    t = table.sort_values(["method", "row_tree", "workload", "temperature"]) if sort else table
     return pd.DataFrame({
         "method": t["method"], "tree": t["row_tree"], "n": t["tree_size"].map(lambda x: f"{x:.0f}"),
         "workload": t["workload"],
@@ -73,7 +74,7 @@ def report(path: str | Path, worst: int = 10) -> str:
     parts = ["## Summary", *summary_lines(summary(table)), "",
              "## Terms (mean contribution to S_pred/S_meas − 1)",
              to_markdown(term_table(table).map(pct).reset_index()), "",
-             f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows)), "",
+             f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows, sort=False)), "",
              "## Rows", to_markdown(row_table(table))]
     bad = failures(df)
     if len(bad):
