@@ -181,12 +181,20 @@ def star_rule(cfg: RunConfig) -> StarRule:
     return StarRule(True, Verifier.sequoia)
 
 
+# drafters whose acceptance is measured through the decode loop (methods.measurement.calibrate): Lookahead
+# (its trie has no ranked star), and Draft & Verify, whose adaptive exit stops a draft early — the star of
+# its law priced every step as a full chain: τ 7.6 predicted, 2.5 measured (docs/validation.md)
+LOOP_ACCEPTANCE = frozenset({"lookahead", "draft_verify"})
+
+
 def key_document(cfg: RunConfig) -> dict[str, Any]:
     """Everything a profile is keyed by: model, drafter and its params with the star-tree rule, workload
     (the vector depends on the text and on the sampling; t(n) on the context length), device, width."""
 
     w = cfg.workload
+    loop = {"acceptance_from": "loop"} if cfg.method.drafter in LOOP_ACCEPTANCE else {}
     return {
+        **loop,
         "format": PROFILE_FORMAT,
         "model": model_identity(cfg),
         "drafter": cfg.method.drafter,
