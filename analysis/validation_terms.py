@@ -139,8 +139,8 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.concat([out, parts.drop(columns=["tau_se"]), term_contributions(ok)], axis=1)
     out["tau_ok"] = out["tau_err"].abs() <= TAU_GOAL
     out["speedup_ok"] = out["speedup_err"].abs() <= SPEEDUP_GOAL
-    out["dominant_term"] = out[list(TERMS)].abs().idxmax(axis=1, skipna=True).where(
-        out[list(TERMS)].notna().any(axis=1))
+    moved = out[list(TERMS)].abs().fillna(0.0)
+    out["dominant_term"] = moved.idxmax(axis=1).where(moved.max(axis=1) > 0)
     out["diagnosis"] = [diagnose(r) for r in out.to_dict("records")]
     return out.reset_index(drop=True)
 
@@ -161,28 +161,40 @@ def diagnose(r: dict) -> str:
             notes.append(f"S {r['speedup_err']:+.1%}: mostly {top} ({TERM_GROUP[top]}, "
                          f"{np.expm1(terms[top]):+.1%})")
             if top not in ("acceptance", "truncation") and not timings_held(r):
-                notes[-1] += (f", from costs timed on a busy machine (profile timing dispersion "
-                              f"{r['timing_dispersion']:.0%} > {MAX_DISPERSION:.0%})")
+                profile, run = _fmt_pct(r.get("timing_dispersion")), _fmt_pct(r.get("run_t1_dispersion"))
+                notes[-1] += (f", timed on a busy machine (timing dispersion: profile {profile}, run {run}"
+                              f" > {MAX_DISPERSION:.0%})")
         else:
             notes.append(f"S {r['speedup_err']:+.1%}: no predicted parts to split it")
     return "; ".join(notes)
 
 
-def timings_held(r) -> bool:
-    """The row's profile costs were timed in rounds that agreed (dispersion within MAX_DISPERSION); rows
-    without a profile (autoregressive) hold trivially."""
-    d = r.get("timing_dispersion") if isinstance(r, dict) else r
+def timings_held(r: dict) -> bool:
+    """The row's costs were timed on a machine in one state: the profile's timing rounds agreed and so did
+    the run's own baseline, prompt by prompt (relative IQRs within MAX_DISPERSION; absent = held)."""
+    for key in ("timing_dispersion", "run_t1_dispersion"):
+        try:
+            if float(r.get(key)) > MAX_DISPERSION:
+                return False
+        except (TypeError, ValueError):
+            continue
+    return True
+
+
+def _fmt_pct(x) -> str:
     try:
-        return not (d is not None and float(d) > MAX_DISPERSION)
+        return f"{float(x):.0%}"
     except (TypeError, ValueError):
-        return True
+        return "n/a"
 
 
 def summary(table: pd.DataFrame) -> dict[str, float]:
     """The issue's summary statistics over the rows of :func:`errors`, and the speedup's over the rows whose
     profile timings held (``held``: the cost side judged on costs that were measured, not on load)."""
     tau, s = table["tau_err"].abs(), table["speedup_err"].abs()
-    held = _num(table, "timing_dispersion").map(timings_held).astype(bool)
+    cols = {k: _num(table, k) for k in ("timing_dispersion", "run_t1_dispersion")}
+    held = pd.Series([timings_held({k: v[i] for k, v in cols.items()}) for i in table.index],
+                     index=table.index, dtype=bool)
     return {
         "rows_timings_held": int(held.sum()),
         "speedup_err_median_held": float(s[held].median()) if held.any() else float("nan"),

@@ -143,6 +143,7 @@ def test_a_perfect_prediction_has_no_error_and_no_term():
     assert t.loc[0, "tau_err"] == pytest.approx(0) and t.loc[0, "speedup_err"] == pytest.approx(0)
     assert t.loc[0, list(TERMS)].abs().max() == pytest.approx(0, abs=1e-12)
     assert t.loc[0, "diagnosis"] == "" and t.loc[0, "tau_ok"] and t.loc[0, "speedup_ok"]
+    assert pd.isna(t.loc[0, "dominant_term"])  # nothing moved
 
 
 @pytest.mark.parametrize(("over", "term"), [
@@ -272,5 +273,8 @@ def test_a_cost_miss_on_a_profile_timed_under_load_says_so():
     s = summary(busy)
     assert s["rows_timings_held"] == 1 and s["speedup_err_max_held"] == pytest.approx(0)
     assert s["speedup_err_max"] == pytest.approx(1 / 3)
+    run_busy = errors(pd.DataFrame([_run(predicted_t_draft_s_this_device=0.0, timing_dispersion=0.05,
+                                         run_t1_dispersion=0.5)]))
+    assert "busy machine" in run_busy.loc[0, "diagnosis"] and summary(run_busy)["rows_timings_held"] == 0
     tau_miss = errors(pd.DataFrame([_run(predicted_tau=3.6, timing_dispersion=1.3)])).loc[0, "diagnosis"]
     assert "busy machine" not in tau_miss  # a τ-driven miss is not the clock's fault
