@@ -59,7 +59,8 @@ def summary_lines(s: dict) -> list[str]:
         f"- speedup error: median {s['speedup_err_median']:.1%}, max {s['speedup_err_max']:.1%}; within 10%: "
         f"{s['share_speedup_within_10pct']:.0%} of rows",
         f"- both goals: {s['share_both']:.0%} of rows",
-        f"- rows whose timings held (profile and run timing dispersion <= 25%): {s['rows_timings_held']}; their "
+        f"- rows whose timings held (profile and run timing dispersion <= 25%): {s['rows_timings_held']}; "
+        "their "
         f"speedup error: median {s['speedup_err_median_held']:.1%}, max {s['speedup_err_max_held']:.1%}, "
         f"within 10%: {s['share_speedup_within_10pct_held']:.0%}",
     ]
