@@ -67,6 +67,27 @@ def accepted_length_law(tree: Tree, acceptance: AcceptanceLike) -> np.ndarray:
     return pmf
 
 
+def forwards_to_generate(law: np.ndarray, n_tokens: int) -> float:
+    """E[target forwards] to emit ``n_tokens`` when a step emits k tokens with ``law[k]`` (k >= 1, bonus
+    included) independently, and the last step's tokens beyond ``n_tokens`` are cut (a decode loop with
+    max_new_tokens): F(n) = 1 + Σ_k law[k] · F(n − k), F(n <= 0) = 0. A finite generation emits fewer
+    tokens per forward than τ: the last step's accepted drafts past the budget are wasted."""
+    law = np.asarray(law, dtype=float)
+    assert n_tokens >= 0 and law.ndim == 1 and law.size >= 2, (n_tokens, law.shape)
+    ks = np.arange(law.size)
+    f = np.zeros(n_tokens + 1)
+    for n in range(1, n_tokens + 1):
+        f[n] = 1.0 + float((law * f[np.maximum(n - ks, 0)]).sum())
+    return float(f[n_tokens])
+
+
+def tokens_per_forward(law: np.ndarray, n_tokens: int) -> float:
+    """Tokens emitted per target forward by a generation of ``n_tokens`` (→ τ as n_tokens → ∞)."""
+    if n_tokens <= 0:
+        return float(np.dot(np.arange(len(law)), law))
+    return n_tokens / forwards_to_generate(law, n_tokens)
+
+
 @dataclass(frozen=True)
 class GammaChoice:
     gamma: int

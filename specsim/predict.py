@@ -13,7 +13,7 @@ from typing import Any
 from specsim.acceptance import from_config
 from specsim.config import RunConfig, TreeKind, flat
 from specsim.cost import CostModel, TargetCost
-from specsim.expected import accepted_length_law, expected_tokens
+from specsim.expected import accepted_length_law, expected_tokens, tokens_per_forward
 from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
@@ -35,6 +35,10 @@ class Prediction:
     acceptance_kind: str
     cost_source: str  # roofline | measured
     tau_law: tuple[float, ...]  # P(τ = k), k = 0 … depth + 1
+    # a generation of workload.max_new_tokens: tokens per forward after the last step's cut, and the speedup
+    # of the decode (prefill left out) that a measure run's decode_speedup is (specsim.expected)
+    tokens_per_forward: float
+    predicted_decode_speedup: float
     acceptance_vector: tuple[float, ...]  # the Sequoia vector the tree was optimised for, () if none
     tree_parents: tuple[int, ...]
     tree_ranks: tuple[int, ...]
@@ -73,6 +77,8 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
         width = cfg.tree.top_k if kind == TreeKind.dynamic else None
         vector = tuple(float(x) for x in acceptance_vector(model, width))
     tau = expected_tokens(tree, model)
+    law = accepted_length_law(tree, model)
+    per_forward = tokens_per_forward(law, cfg.workload.max_new_tokens)
     t_verify, t_draft = cost.tree_verify_time(tree), cost.draft_time(tree)
     return Prediction(
         predicted_tau=tau,
@@ -87,7 +93,9 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
         t_step_s=t_verify + t_draft,
         acceptance_kind=model.kind,
         cost_source=cost.target.source,
-        tau_law=tuple(float(x) for x in accepted_length_law(tree, model)),
+        tau_law=tuple(float(x) for x in law),
+        tokens_per_forward=per_forward,
+        predicted_decode_speedup=per_forward * cost.ar_time / (t_verify + t_draft),
         acceptance_vector=vector,
         tree_parents=tree.parents,
         tree_ranks=tree.ranks,

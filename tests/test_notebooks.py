@@ -59,6 +59,8 @@ def test_executes(path, tmp_path, monkeypatch, request):
     }
     if path.name.startswith("04_"):  # online / multi-draft runs: fabricated run dirs
         env["SPECSIM_RUNS_DIR"] = str(request.getfixturevalue("online_runs"))
+    elif path.name.startswith("05_"):  # the validation sweep: the committed small sweep of real micro runs
+        env["SPECSIM_VALIDATION_DIR"] = str(REPO / "tests" / "data" / "validation_micro")
     elif not path.name.startswith("01_"):  # the analysis notebooks read sweeps
         env["SPECSIM_SWEEP_DIR"] = str(request.getfixturevalue("simulate_sweep"))
         env["SPECSIM_MULTIRUN_DIR"] = str(request.getfixturevalue("experiment_sweeps"))

@@ -47,6 +47,7 @@ from methods.measurement.cost_table import (
     scatter_reason,
 )
 from methods.measurement.profiles import (
+    LOOP_ACCEPTANCE,
     Profile,
     StarRule,
     device_name,
@@ -255,7 +256,7 @@ LAWS: dict[str, Law] = {  # drafter name → its law q
 }
 # drafters whose proposals follow the verifications (Lookahead's Jacobi window lives on the target's outputs
 # at its lookahead branch): no star tree can be drawn off-line, their acceptance comes from the real loop
-LOOP_DRAFTERS = frozenset({"lookahead"})
+LOOP_DRAFTERS = LOOP_ACCEPTANCE  # acceptance from the loop's histogram, not from star trees
 
 
 def star_depths(run: _Run) -> int:
@@ -468,8 +469,8 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
     stats = _depth_run(run, n_prompts, new_tokens)
-    if loop:
-        ranks = _loop_ranks(stats, star_depths(run))
+    if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
+        ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
     forward = loop_forward_tokens(cfg, run)  # the loop's verify forward: t(n) for its overhead

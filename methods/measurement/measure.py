@@ -177,7 +177,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
-        predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}
+        predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup,
+                       "predicted_decode_speedup": pred.predicted_decode_speedup,
+                       "predicted_tokens_per_forward": pred.tokens_per_forward}
     else:  # the profile's t(1) against this run's own baseline step: if stale, predict with the run's t(1)
         # the profile's t(1) is a one-sequence step: a batch's step is not comparable (never judged stale)
         steps = base_t.steps if w.batch_size == 1 else []

@@ -181,12 +181,20 @@ def star_rule(cfg: RunConfig) -> StarRule:
     return StarRule(True, Verifier.sequoia)
 
 
+# drafters whose acceptance is measured through the decode loop (methods.measurement.calibrate): Lookahead
+# (its trie has no ranked star), and Draft & Verify, whose adaptive exit stops a draft early — the star of
+# its law priced every step as a full chain: τ 7.6 predicted, 2.5 measured (docs/validation.md)
+LOOP_ACCEPTANCE = frozenset({"lookahead", "draft_verify"})
+
+
 def key_document(cfg: RunConfig) -> dict[str, Any]:
     """Everything a profile is keyed by: model, drafter and its params with the star-tree rule, workload
     (the vector depends on the text and on the sampling; t(n) on the context length), device, width."""
 
     w = cfg.workload
+    loop = {"acceptance_from": "loop"} if cfg.method.drafter in LOOP_ACCEPTANCE else {}
     return {
+        **loop,
         "format": PROFILE_FORMAT,
         "model": model_identity(cfg),
         "drafter": cfg.method.drafter,
@@ -340,7 +348,8 @@ def drafter_vector(cfg: RunConfig, vector: tuple[float, ...]) -> list[float]:
 
 def _summary(p: Prediction) -> dict[str, Any]:
     keys = ("predicted_tau", "predicted_speedup", "tree_size", "tree_depth", "tree_width", "t_verify_s",
-            "t_draft_s", "t_ar_s", "t_step_s", "cost_source")
+            "t_draft_s", "t_ar_s", "t_step_s", "cost_source", "tokens_per_forward",
+            "predicted_decode_speedup")
     return {k: getattr(p, k) for k in keys}
 
 
@@ -388,9 +397,17 @@ def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict
     (this device's measured profile when ``hardware.measured``, else the preset's roofline), and both
     predictions are kept under ``*_this_device`` / ``*_hardware``."""
     main = this_device if cfg.hardware.measured else preset
-    out = {"predicted_tau": main["predicted_tau"], "predicted_speedup": main["predicted_speedup"]}
+    out = {"predicted_tau": main["predicted_tau"], "predicted_speedup": main["predicted_speedup"],
+           "predicted_decode_speedup": main["predicted_decode_speedup"],  # for workload.max_new_tokens
+           "predicted_tokens_per_forward": main["tokens_per_forward"]}
     for suffix, pred in (("this_device", this_device), ("hardware", preset)):
         out.update({f"predicted_tau_{suffix}": pred["predicted_tau"],
                     f"predicted_speedup_{suffix}": pred["predicted_speedup"],
-                    f"predicted_t_step_s_{suffix}": pred["t_step_s"]})
+                    f"predicted_t_step_s_{suffix}": pred["t_step_s"],
+                    f"predicted_decode_speedup_{suffix}": pred["predicted_decode_speedup"],
+                    # the step's terms, for a term-by-term comparison with the measured times
+                    # (analysis.validation): draft, verify (t(n) + the loop's verification), t(1)
+                    f"predicted_t_draft_s_{suffix}": pred["t_draft_s"],
+                    f"predicted_t_verify_s_{suffix}": pred["t_verify_s"],
+                    f"predicted_t_ar_s_{suffix}": pred["t_ar_s"]})
     return out

@@ -43,6 +43,7 @@ from methods.measurement.profiles import (
 from methods.models import Models
 from specsim.config import Verifier
 from specsim.io import read_json
+from specsim.tree import Tree
 
 BUDGETS = [1, 2, 4, 8]
 SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
@@ -420,3 +421,21 @@ def test_dynamic_tree_is_priced_as_the_best_static_tree_of_its_budget(run_config
         assert tree.size <= 13 and tree.depth <= 3 and tree.width <= 3
         taus.append(tree_predictions(cfg, prof, tree)[0]["predicted_tau"])
     assert 1 < taus[0] < taus[1]
+
+
+def test_draft_and_verify_acceptance_comes_from_the_loop_and_keys_its_profile_apart(run_config):
+    """Draft & Verify's adaptive exit stops drafts early: its acceptance is the loop's (a stopped draft is
+    a rejection at that depth), so its profile's key differs from one measured on star trees."""
+    from methods.measurement.calibrate import LOOP_DRAFTERS, _loop_ranks
+    from methods.measurement.profiles import key_document
+
+    assert {"draft_verify", "lookahead"} <= LOOP_DRAFTERS
+    dv = key_document(run_config("task=calibrate", "method=draft_verify", "model=micro"))
+    va = key_document(run_config("task=calibrate", "method=vanilla", "model=micro"))
+    assert dv["acceptance_from"] == "loop" and "acceptance_from" not in va
+    # steps accepting 0, 1, 1, 2 drafts of a chain of 3: per-depth ratios P(>= d) / P(>= d - 1)
+    stats = AcceptStats()
+    for k in (0, 1, 1, 2):
+        stats.record(Tree.chain(3), tuple(range(k + 1)))
+    ranks = _loop_ranks(stats, 3)
+    assert [r.count(0) / len(r) for r in ranks[:2]] == [3 / 4, 1 / 3] and ranks[2] == [None]

@@ -147,3 +147,29 @@ def test_depth_vectors_are_per_depth_positional_models():
         assert expected_tokens(tree, m) < expected_tokens(tree, PositionalAcceptance(DEMO_LIKE))
     cfg = AcceptanceConfig(kind=AcceptanceKind.depth_vector, by_depth_vectors=[list(DEMO_LIKE), list(head2)])
     assert from_config(cfg) == m
+
+
+# ---- a generation of N tokens: the last step's cut ---------------------------------------------------------
+def test_forwards_to_generate_a_fixed_step_is_the_ceiling():
+    from specsim.expected import forwards_to_generate, tokens_per_forward
+
+    for k in (1, 3, 5):
+        law = np.zeros(k + 1)
+        law[k] = 1.0
+        for n in (1, 7, 48):
+            assert forwards_to_generate(law, n) == pytest.approx(-(-n // k))
+    assert tokens_per_forward(np.array([0.0, 1.0]), 48) == pytest.approx(1.0)
+
+
+def test_forwards_to_generate_matches_monte_carlo_and_tends_to_tau():
+    from specsim.expected import forwards_to_generate, tokens_per_forward
+
+    law = np.array([0.0, 0.3, 0.2, 0.2, 0.1, 0.2])
+    tau = float(np.dot(np.arange(law.size), law))
+    rng = np.random.default_rng(0)
+    steps = rng.choice(law.size, p=law, size=(20000, 48))  # 48 steps always reach 48 tokens
+    forwards = (np.cumsum(steps, axis=1) < 48).sum(axis=1) + 1
+    assert forwards_to_generate(law, 48) == pytest.approx(forwards.mean(), rel=0.01)
+    assert tokens_per_forward(law, 48) < tau  # the cut wastes the last step's extra tokens
+    assert tokens_per_forward(law, 20000) == pytest.approx(tau, rel=1e-3)
+    assert tokens_per_forward(law, 0) == pytest.approx(tau)

@@ -1,0 +1,73 @@
+"""The simulator against real decoding, row by row (issue 17): τ and speedup errors, summary statistics,
+and which term of the model a miss comes from.
+
+A row is one task=measure run (analysis.validation_rows enumerates and runs them). p = target, q = draft;
+τ = tokens per target forward (bonus included); S = τ·t(1) / t_step with t_step = t_draft + t_verify,
+t_verify = t(n) + the loop's verification overhead (methods.measurement.profiles.to_measured_cost).
+    python -m analysis.validation run --full          # the zoo sweep, resumable, into multirun/validation/zoo
+    python -m analysis.validation report DIR          # the table and summary as Markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from analysis import validation_rows as vr
+
+DEFAULT_OUT = Path("multirun/validation")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    from analysis.validation_report import report
+
+    print(report(Path(args.dir)))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m analysis.validation", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the sweep's rows not yet done (resumable)")
+    size = run.add_mutually_exclusive_group(required=True)
+    size.add_argument("--full", action="store_true", help="every row on the zoo (experiment=validation)")
+    size.add_argument("--small", action="store_true", help="model=micro, tiny settings, untrained methods")
+    run.add_argument("--out", type=Path, help="sweep dir (default multirun/validation/{zoo,micro})")
+    run.add_argument("--methods", nargs="*", help="only these method presets")
+    run.add_argument("--workloads", nargs="*", default=list(vr.WORKLOADS))
+    run.add_argument("--temperatures", nargs="*", type=float, default=list(vr.TEMPERATURES))
+    run.add_argument("--minutes", type=float, help="start no new row after this many minutes")
+    run.add_argument("--dry-run", action="store_true", help="list the rows and the excluded combinations")
+    rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
+    rep.add_argument("dir")
+    return ap
+
+
+def _run(args: argparse.Namespace) -> int:
+    methods = args.methods or (list(vr.SMALL_METHODS) if args.small else None)
+    extra = vr.SMALL if args.small else ()
+    selected = vr.rows(methods, args.workloads, args.temperatures, extra)
+    out = args.out or DEFAULT_OUT / ("micro" if args.small else "zoo")
+    if args.dry_run:
+        for row in selected:
+            print(row.row_id, " ".join(row.overrides))
+        for (method, tree), why in vr.EXCLUDED.items():
+            print(f"excluded: {method} × {tree}: {why}")
+        return 0
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    outcomes = vr.run_rows(selected, out, deadline=deadline)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "skipped", "failed")}
+    print(f"{len(selected)} rows: {counts} -> {out}")
+    for o in outcomes:
+        if o.status == "failed":
+            print(f"  failed {o.row.row_id}: {o.error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

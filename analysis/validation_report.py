@@ -1,0 +1,86 @@
+"""The validation sweep as a report: load its rows, render the per-row table, the summary statistics, the
+per-term breakdown and the worst rows as Markdown (docs/validation.md is made from it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.load import load
+from analysis.tables import to_markdown
+from analysis.validation_rows import read_row
+from analysis.validation_terms import TERMS, errors, summary, term_table
+
+
+def load_validation(path: str | Path) -> pd.DataFrame:
+    """analysis.load's table of the sweep's runs, with each row's own description (``row_id``,
+    ``row_tree`` — natural, chain, sequoia<budget> — and ``temperature``) from validation_row.json."""
+    df = load(path)
+    rows = [read_row(Path(d)) or {} for d in df["run_dir"]]
+    df["row_id"] = [r.get("row_id", Path(d).name) for r, d in zip(rows, df["run_dir"])]
+    df["row_tree"] = [r.get("tree", t) for r, t in zip(rows, df.get("tree", [None] * len(df)))]
+    temps = pd.to_numeric(df.get("workload.temperature", pd.Series(np.nan, index=df.index)), errors="coerce")
+    df["temperature"] = [r.get("temperature", t) for r, t in zip(rows, temps)]
+    return df
+
+
+def failures(df: pd.DataFrame) -> pd.DataFrame:
+    bad = df[df["status"] != "ok"]
+    return bad[["row_id", "status", "error"]].reset_index(drop=True)
+
+
+def pct(x: float) -> str:
+    return "–" if not np.isfinite(x) else f"{x:+.1%}"
+
+
+def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
+    """The per-row table as it is published: methods first, then trees, workloads, temperature (or in
+    the table's own order)."""
+    t = table.sort_values(["method", "row_tree", "workload", "temperature"]) if sort else table
+    return pd.DataFrame({
+        "method": t["method"], "tree": t["row_tree"], "n": t["tree_size"].map(lambda x: f"{x:.0f}"),
+        "workload": t["workload"],
+        "T": t["temperature"].map(lambda x: f"{x:g}"),
+        "τ pred": t["tau_pred"].map("{:.2f}".format), "τ meas": t["tau_meas"].map("{:.2f}".format),
+        "τ err": t["tau_err"].map(pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),
+        "S pred": t["speedup_pred"].map("{:.2f}".format), "S meas": t["speedup_meas"].map("{:.2f}".format),
+        "S err": t["speedup_err"].map(pct), "diagnosis": t["diagnosis"],
+    })
+
+
+def summary_lines(s: dict) -> list[str]:
+    return [
+        f"- rows: {s['rows']}",
+        f"- τ error (|pred/meas − 1|): median {s['tau_err_median']:.1%}, max {s['tau_err_max']:.1%}; "
+        f"within 3%: {s['share_tau_within_3pct']:.0%} of rows; within 2 standard errors of the measured τ: "
+        f"{s['share_tau_within_2se']:.0%}",
+        f"- speedup error: median {s['speedup_err_median']:.1%}, max {s['speedup_err_max']:.1%}; within 10%: "
+        f"{s['share_speedup_within_10pct']:.0%} of rows",
+        f"- both goals: {s['share_both']:.0%} of rows",
+        f"- rows whose timings held (profile and run timing dispersion <= 25%): {s['rows_timings_held']}; "
+        "their "
+        f"speedup error: median {s['speedup_err_median_held']:.1%}, max {s['speedup_err_max_held']:.1%}, "
+        f"within 10%: {s['share_speedup_within_10pct_held']:.0%}",
+    ]
+
+
+def report(path: str | Path, worst: int = 10) -> str:
+    df = load_validation(path)
+    table = errors(df)
+    if table.empty:
+        return f"no finished validation rows under {path}"
+    worst_rows = table.reindex(table["speedup_err"].abs().sort_values(ascending=False).index[:worst])
+    parts = ["## Summary", *summary_lines(summary(table)), "",
+             "## Terms (mean contribution to S_pred/S_meas − 1)",
+             to_markdown(term_table(table).map(pct).reset_index()), "",
+             f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows, sort=False)), "",
+             "## Rows", to_markdown(row_table(table))]
+    bad = failures(df)
+    if len(bad):
+        parts += ["", "## Failed rows", to_markdown(bad)]
+    return "\n".join(parts)
+
+
+__all__ = ["TERMS", "failures", "load_validation", "pct", "report", "row_table", "summary_lines"]

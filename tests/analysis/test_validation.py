@@ -1,0 +1,280 @@
+"""analysis.validation*: the sweep's rows (invalid combinations left out), the error and summary math, the
+term attribution of a speedup miss, the driver's resume and failure handling, and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import validation_rows as vr
+from analysis.validation_terms import TERMS, errors, summary, tau_standard_error, term_contributions
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- rows -----------------------------------------------------------------------------------------------
+def test_every_method_with_a_real_drafter_has_rows():
+    import run
+
+    real = {m for m, d in run.method_drafters().items() if d in _registry_names()}
+    # presets that are variants of a swept method (same drafter and tree family) need no rows of their own
+    variants = {"lookahead_large", "medusa_typical"}
+    assert real - variants <= set(vr.TREES), sorted(real - variants - set(vr.TREES))
+    assert {r.method for r in vr.rows()} == set(vr.TREES)
+
+
+def _registry_names() -> set[str]:
+    from methods.drafters import registry
+
+    return set(registry.names())
+
+
+def test_rows_leave_the_excluded_combinations_out():
+    rows = vr.rows()
+    pairs = {(r.method, "sequoia" if r.tree.startswith("sequoia") else r.tree) for r in rows}
+    assert not pairs & set(vr.EXCLUDED)
+    assert ("prompt_lookup", "sequoia") in vr.EXCLUDED and vr.excluded("prompt_lookup", "sequoia32")
+    assert vr.excluded("medusa", "sequoia8") is None
+    assert len({r.row_id for r in rows}) == len(rows)  # one dir per row
+
+
+def test_no_row_at_temperature_one_reads_q_of_a_deterministic_drafter():
+    deterministic = {"prompt_lookup", "lookahead", "staged"}
+    for r in vr.rows(temperatures=[1.0]):
+        verifier = next(o.split("=")[1] for o in r.overrides if o.startswith("method.verifier="))
+        assert verifier != "greedy"  # greedy is not lossless at T > 0 (specsim.config rejects it)
+        if r.method in deterministic:
+            assert verifier == "deterministic", r
+        if r.tree == "chain" or r.method in ("vanilla", "online", "layerskip", "draft_verify", "mtp"):
+            assert verifier in ("chain", "deterministic"), r  # a branching verifier on a chain is not needed
+    assert not any(o.startswith("method.verifier") for r in vr.rows(temperatures=[0.0]) for o in r.overrides)
+
+
+def test_rows_come_natural_trees_first_then_workloads_then_trees_then_temperature():
+    rows = vr.rows()
+    first = rows[: len(vr.TREES) + 1]  # sequoia has two natural rows
+    assert {r.workload for r in first} == {"code"} and {r.temperature for r in first} == {0.0}
+    assert all(r.tree == vr.NATURAL or r.method == "sequoia" for r in first)
+    temps = [r.temperature for r in rows]
+    assert temps == sorted(temps)
+    assert vr.tree_overrides("sequoia32") == ["tree=sequoia", "tree.budgets=[32]"]
+
+
+@pytest.mark.parametrize("row", vr.rows(temperatures=[0.0, 1.0])[::7], ids=lambda r: r.row_id)
+def test_rows_compose_and_validate(row):
+    """Every row (a sample of them) is a valid config that run.py accepts before any work."""
+    import run
+
+    cfg = run.compose_run_config("experiment=validation", *row.overrides)
+    run.check_runnable(cfg)
+    assert cfg.method.name == row.method and cfg.workload.temperature == row.temperature
+
+
+def test_unknown_methods_are_refused():
+    with pytest.raises(ValueError, match="nope"):
+        vr.rows(["nope"])
+
+
+def test_row_ids_round_trip():
+    r = vr.rows(["medusa"], ["prose"], [1.0])[-1]
+    parsed = vr.parse_row_id(r.row_id)
+    assert (parsed["method"], parsed["tree"], parsed["workload"], parsed["temperature"]) == \
+        (r.method, r.tree, r.workload, r.temperature)
+    assert vr.parse_row_id("not_a_row") is None
+
+
+# ---- the driver -----------------------------------------------------------------------------------------
+def test_driver_skips_done_rows_and_records_failures(tmp_path):
+    rows = vr.rows(["vanilla"], ["code"], [0.0])
+    done = tmp_path / rows[0].row_id
+    done.mkdir()
+    metrics = {k: "x" for k in ("task", "method", "tree", "hardware", "workload", "model")} | {"seed": 0}
+    (done / "metrics.json").write_text(json.dumps(metrics))
+    bad = vr.Row("vanilla", "chain", "code", 0.0, ("method=vanilla", "workload.num_prompts=-1"))
+    out = vr.run_rows([*rows, bad], tmp_path, progress=False)
+    assert [o.status for o in out] == ["skipped", "failed"]
+    assert "num_prompts" in out[1].error
+    failed = json.loads((tmp_path / bad.row_id / "failed.json").read_text())
+    assert failed["status"] == "failed" and failed["command"][0].endswith("run.py")
+    assert not (tmp_path / bad.row_id / vr.CLAIM).exists()
+
+
+def test_claims_are_exclusive_and_dead_ones_taken_over(tmp_path):
+    assert vr.claim(tmp_path / "a")
+    assert not vr.claim(tmp_path / "a")  # held by this (live) process
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / vr.CLAIM).write_text(dead)
+    assert vr.claim(tmp_path / "b")
+
+
+# ---- errors, summary, terms -----------------------------------------------------------------------------
+def _run(**over) -> dict:
+    """A measure run's metrics as measure.py writes them: 10 steps of τ 3 (hist), baseline 0.01 s/token."""
+    m = {"status": "ok", "method": "vanilla", "tree": "chain", "workload": "code", "row_tree": "natural",
+         "temperature": 0.0, "tree_size": 5,
+         "tau": 3.0, "accept_hist": [0, 2, 6, 2, 0], "n_target_forwards": 10, "n_tokens": 30,
+         "baseline_n_target_forwards": 30, "baseline_n_tokens": 30,
+         "time_total_s": 0.21, "time_prefill_s": 0.01, "time_draft_s": 0.05, "time_verify_s": 0.15,
+         "baseline_time_s": 0.32, "baseline_time_prefill_s": 0.02,
+         "predicted_tau": 3.0, "predicted_t_ar_s_this_device": 0.01, "predicted_t_draft_s_this_device": 0.005,
+         "predicted_t_verify_s_this_device": 0.015}
+    m.update(over)
+    # measured decode speedup: (30/0.2) / (30/0.3) = 1.5; the prediction's own formula
+    m.setdefault("decode_speedup", (m["n_tokens"] / (m["time_total_s"] - m["time_prefill_s"]))
+                 / (m["baseline_n_tokens"] / (m["baseline_time_s"] - m["baseline_time_prefill_s"])))
+    m.setdefault("speedup", m["decode_speedup"])
+    m.setdefault("predicted_speedup", m["predicted_tau"] * m["predicted_t_ar_s_this_device"]
+                 / (m["predicted_t_draft_s_this_device"] + m["predicted_t_verify_s_this_device"]))
+    return m
+
+
+def test_a_perfect_prediction_has_no_error_and_no_term():
+    t = errors(pd.DataFrame([_run()]))
+    assert t.loc[0, "speedup_meas"] == pytest.approx(1.5) and t.loc[0, "speedup_pred"] == pytest.approx(1.5)
+    assert t.loc[0, "tau_err"] == pytest.approx(0) and t.loc[0, "speedup_err"] == pytest.approx(0)
+    assert t.loc[0, list(TERMS)].abs().max() == pytest.approx(0, abs=1e-12)
+    assert t.loc[0, "diagnosis"] == "" and t.loc[0, "tau_ok"] and t.loc[0, "speedup_ok"]
+    assert pd.isna(t.loc[0, "dominant_term"])  # nothing moved
+
+
+@pytest.mark.parametrize(("over", "term"), [
+    ({"predicted_tau": 3.6}, "acceptance"),
+    ({"predicted_t_draft_s_this_device": 0.0}, "draft"),
+    ({"predicted_t_verify_s_this_device": 0.025}, "verify"),
+    ({"time_total_s": 0.31}, "overhead"),  # 0.1 s of the loop in neither draft nor verify
+    ({"n_tokens": 24}, "truncation"),  # the last steps cut at max_new_tokens
+])
+def test_a_miss_is_attributed_to_the_term_that_is_wrong(over, term):
+    t = errors(pd.DataFrame([_run(**over)]))
+    assert abs(t.loc[0, "speedup_err"]) > 0.10
+    assert t.loc[0, "dominant_term"] == term
+    assert f"mostly {term}" in t.loc[0, "diagnosis"]
+    others = [x for x in TERMS if x != term]
+    assert t.loc[0, others].abs().max() < 1e-9
+
+
+def test_a_machine_slower_than_at_calibration_moves_no_term():
+    # every predicted cost 30% above this run's: the same ratios to t(1), the same speedup
+    t = errors(pd.DataFrame([_run(predicted_t_ar_s_this_device=0.013, predicted_t_draft_s_this_device=0.0065,
+                                  predicted_t_verify_s_this_device=0.0195)])).loc[0]
+    assert t["speedup_err"] == pytest.approx(0) and t["load"] == pytest.approx(0.3)
+    assert t[list(TERMS)].abs().max() < 1e-9
+
+
+def test_a_predicted_cut_at_max_new_tokens_matches_the_measured_one():
+    # the simulator's τ_N (tokens per forward for max_new_tokens) equals the measured 24 tokens / 10 forwards
+    run = _run(n_tokens=24, predicted_tokens_per_forward=2.4)
+    run["predicted_decode_speedup"] = 2.4 * 0.01 / 0.02
+    t = errors(pd.DataFrame([run])).loc[0]
+    assert t["speedup_err"] == pytest.approx(0) and t["steady_speedup_pred"] == pytest.approx(1.5)
+    assert t[list(TERMS)].abs().max() < 1e-9
+
+
+def test_the_terms_add_up_to_the_log_error():
+    rng = np.random.default_rng(0)
+    runs = [_run(predicted_tau=3 * rng.uniform(0.8, 1.2), time_draft_s=0.05 * rng.uniform(0.5, 2),
+                 time_total_s=0.25, predicted_t_verify_s_this_device=0.015 * rng.uniform(0.8, 1.5),
+                 predicted_t_ar_s_this_device=0.01 * rng.uniform(0.7, 1.3),
+                 n_tokens=int(rng.integers(26, 31))) for _ in range(20)]
+    df = pd.DataFrame(runs)
+    c = term_contributions(df)
+    log_err = np.log(df["predicted_speedup"] / df["decode_speedup"])
+    assert np.allclose(c[list(TERMS)].sum(axis=1), log_err)
+    assert c["residual"].abs().max() < 1e-12
+
+
+def test_tau_standard_error():
+    # accepted 1, 2, 3 draft tokens in 2, 6, 2 of 10 steps: mean 2, sample variance 4/9
+    assert tau_standard_error([0, 2, 6, 2, 0]) == pytest.approx(math.sqrt(4 / 9 / 10))
+    assert math.isnan(tau_standard_error([1])) and math.isnan(tau_standard_error(None))
+
+
+def test_a_tau_miss_within_sampling_error_is_called_noise():
+    noisy = errors(pd.DataFrame([_run(predicted_tau=3.2)])).loc[0]  # s.e. of τ: 0.21/3 = 7%
+    assert not noisy["tau_ok"] and "sampling noise" in noisy["diagnosis"]
+    wide = errors(pd.DataFrame([_run(predicted_tau=4.0, accept_hist=[0, 0, 100, 0, 0],
+                                     n_target_forwards=100)])).loc[0]
+    assert "acceptance model" in wide["diagnosis"]
+
+
+def test_summary_statistics():
+    runs = [_run(), _run(predicted_tau=3.06), _run(predicted_tau=3.6),
+            _run(predicted_t_draft_s_this_device=0.0)]
+    s = summary(errors(pd.DataFrame(runs)))
+    assert s["rows"] == 4
+    assert s["tau_err_median"] == pytest.approx(0.01) and s["tau_err_max"] == pytest.approx(0.2)
+    assert s["share_tau_within_3pct"] == 0.75
+    # speedup errors: 0, +2%, +20%, +33%
+    assert s["speedup_err_max"] == pytest.approx(1 / 3) and s["speedup_err_median"] == pytest.approx(0.11)
+    assert s["share_speedup_within_10pct"] == 0.5 and s["share_both"] == 0.5
+
+
+def test_failed_and_unmeasured_runs_are_not_rows():
+    df = pd.DataFrame([_run(), {"status": "failed", "method": "medusa"}, _run(status="missing")])
+    assert len(errors(df)) == 1
+
+
+# ---- real runs ------------------------------------------------------------------------------------------
+MICRO = REPO / "tests" / "data" / "validation_micro"  # committed: `run --small --workloads code` (real runs)
+
+
+def test_the_committed_small_sweep_is_the_drivers_small_sweep_of_real_runs():
+    from analysis.validation_report import load_validation
+
+    df = load_validation(MICRO)
+    expected = {r.row_id for r in vr.rows(vr.SMALL_METHODS, ["code"], [0.0, 1.0], vr.SMALL)}
+    assert set(df["row_id"]) == expected and (df["status"] == "ok").all()
+    assert set(df["model"]) == {"micro"} and set(df["task"]) == {"measure"}
+    t = errors(df)
+    real = t[t["method"] != "autoregressive"]
+    # every drafter row carries the prediction's parts and the measured ones: the terms are all there
+    assert real[[f"{p}_pred" for p in ("t_ar", "t_draft", "t_verify")]].notna().all().all()
+    assert real["residual"].abs().max() < 1e-9
+    assert (t["tau_meas"] >= 1).all() and (t["speedup_meas"] > 0).all()
+
+
+def test_report_of_the_committed_small_sweep():
+    from analysis.validation_report import report
+
+    text = report(MICRO)
+    assert "## Summary" in text and "- rows: 10" in text
+    assert "| sequoia | sequoia32 | 32 | code | 1 |" in text
+
+
+@pytest.mark.slow
+def test_the_driver_runs_real_rows_on_micro(tmp_path):
+    from analysis.validation_report import load_validation
+
+    rows = vr.rows(["autoregressive", "prompt_lookup"], ["code"], [0.0], vr.SMALL)
+    out = vr.run_rows(rows, tmp_path, progress=False)
+    assert [o.status for o in out] == ["done", "done"], [o.error for o in out]
+    t = errors(load_validation(tmp_path))
+    assert list(t.sort_values("method")["method"]) == ["autoregressive", "prompt_lookup"]
+    pl = t[t["method"] == "prompt_lookup"].iloc[0]
+    assert np.isfinite(pl["speedup_err"]) and abs(pl["residual"]) < 1e-9
+    assert np.isfinite(pl["tau_se_rel"])
+    again = vr.run_rows(rows, tmp_path, progress=False)  # resumable: nothing runs twice
+    assert [o.status for o in again] == ["skipped", "skipped"]
+
+
+def test_a_cost_miss_on_a_profile_timed_under_load_says_so():
+    busy = errors(pd.DataFrame([_run(predicted_t_draft_s_this_device=0.0, timing_dispersion=1.3),
+                                _run(timing_dispersion=0.05)]))
+    assert "busy machine" in busy.loc[0, "diagnosis"] and busy.loc[1, "diagnosis"] == ""
+    s = summary(busy)
+    assert s["rows_timings_held"] == 1 and s["speedup_err_max_held"] == pytest.approx(0)
+    assert s["speedup_err_max"] == pytest.approx(1 / 3)
+    run_busy = errors(pd.DataFrame([_run(predicted_t_draft_s_this_device=0.0, timing_dispersion=0.05,
+                                         run_t1_dispersion=0.5)]))
+    assert "busy machine" in run_busy.loc[0, "diagnosis"] and summary(run_busy)["rows_timings_held"] == 0
+    tau_miss = errors(pd.DataFrame([_run(predicted_tau=3.6, timing_dispersion=1.3)])).loc[0, "diagnosis"]
+    assert "busy machine" not in tau_miss  # a τ-driven miss is not the clock's fault
