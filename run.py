@@ -191,7 +191,8 @@ def check_runnable(cfg: RunConfig) -> None:
 
 
 def _check_engine(cfg: RunConfig) -> None:
-    """engine=vllm measures the methods vLLM implements; specsim's own loop decodes one sequence at a time."""
+    """engine=vllm measures the methods vLLM implements; specsim's own loop decodes batches with the drafters
+    that batch (methods.drafters.registry.BATCHABLE)."""
     if cfg.engine.name == "vllm":
         from methods.measurement.vllm_engine import VLLM_METHODS  # no vLLM import: a plain table
 
@@ -206,9 +207,16 @@ def _check_engine(cfg: RunConfig) -> None:
             raise ConfigError(f"tree.kind: vLLM speculates with chains; engine=vllm needs tree=chain (the "
                               f"chain's tree.gamma is its num_speculative_tokens), got tree={cfg.tree.name}")
     elif cfg.workload.batch_size > 1:
-        raise ConfigError(
-            f"workload.batch_size: specsim's decode loop decodes one sequence at a time (got "
-            f"{cfg.workload.batch_size}); engine=vllm decodes batches")
+        from methods.drafters.registry import BATCHABLE  # a plain table: no drafter is imported
+
+        how = BATCHABLE.get(cfg.method.drafter, "batched")  # an unknown drafter fails its own check later
+        if how.startswith("no: "):
+            batchable = [n for n, d in method_drafters().items()
+                         if not BATCHABLE.get(d, "no: ").startswith("no: ")]
+            raise ConfigError(
+                f"workload.batch_size: method={cfg.method.name} (drafter {cfg.method.drafter}) cannot decode "
+                f"batches ({how[4:]}); use workload.batch_size=1, or a method that batches: "
+                f"{', '.join(batchable)}")
 
 
 def _check_model_files(cfg: RunConfig) -> None:
@@ -361,6 +369,8 @@ def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     speedup, predicted = _fmt(m.get("speedup"), ".2f"), _fmt(here, ".2f")
     decode = f", {_fmt(m['decode_speedup'], '.2f')}x without prefill" if "decode_speedup" in m else ""
     engine = f" ({m['engine']}, batch {m.get('batch_size', 1)})" if "engine" in m else ""
+    if not engine and m.get("batch_size", 1) > 1:  # specsim's batched loop
+        engine = f" (batch {m['batch_size']}{', continuous' if m.get('continuous') else ''})"
     lines = [
         f"tau {_fmt(m.get('tau'), '.3f')} (predicted {_fmt(m.get('predicted_tau'), '.3f')})",
         f"{_fmt(m.get('tokens_per_s'), '.1f')} tokens/s vs {_fmt(m.get('baseline_tokens_per_s'), '.1f')} "

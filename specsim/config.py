@@ -160,7 +160,8 @@ class WorkloadConfig:
     top_p: float = 1.0
     top_k: int = 0
     context_tokens: int = 512  # simulator: KV length seen by verification
-    batch_size: int = 1  # sequences decoded at once (engine=vllm; specsim's own loop decodes one at a time)
+    batch_size: int = 1  # sequences decoded at once (specsim: methods.core.batch_loop above 1; vLLM)
+    continuous: bool = False  # batch > 1: requests join as rows finish (continuous batching), else per batch
 
 
 @dataclass

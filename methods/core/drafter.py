@@ -156,7 +156,9 @@ class Drafter(Protocol):
     ``time_offline_s``. Optional method ``attach(target: ModelEngine)``: self-drafting (LayerSkip, Draft &
     Verify) runs sub-layers of the target on the target's own engine and cache; the loop hands that engine
     over before ``reset``. Such a drafter must leave the engine with no pending node, or exactly the nodes
-    its ``Draft.resume`` describes."""
+    its ``Draft.resume`` describes. Optional method ``batched(max_rows: int) -> BatchDrafter``: the drafter's
+    batched form for methods.core.batch_loop (B sequences at once); a drafter without it is batched per row
+    by methods.core.batch_drafter.PerRow (one instance per row, when the drafter's state allows it)."""
 
     needs_hidden_states: bool
 
@@ -168,6 +170,75 @@ class Drafter(Protocol):
 
     def feedback(self, fb: StepFeedback) -> None:
         """Called after every verification (update caches, online learning, statistics)."""
+
+
+# ---- batches (methods.core.batch_loop): B sequences decoded at once ---------------------------------------
+@dataclass(frozen=True)
+class BatchContext:
+    """What a batched drafter may read: one ``DraftContext`` per active row (slot order; row b's context is
+    exactly what the one-sequence loop would give its drafter) and the rows' roots (B,) long (host)."""
+
+    rows: list[DraftContext]
+    roots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchDraft:
+    """One draft per active row. tokens (B, n): row b's tree nodes first, then padding (any token; padded
+    nodes are computed but never accepted); ``trees``: one Tree per row, or a single tree shared by every row;
+    ``drafts``: the rows' own Drafts when they carry more than tokens and tree (q, n_verifiable, draws), else
+    None (deterministic drafts: q one-hot)."""
+
+    tokens: torch.Tensor
+    trees: list[Tree]
+    drafts: list[Draft] | None = None
+
+    @classmethod
+    def from_drafts(cls, drafts: list[Draft]) -> BatchDraft:
+        tokens = torch.nn.utils.rnn.pad_sequence([d.tokens for d in drafts], batch_first=True)
+        return cls(tokens, [d.tree for d in drafts], drafts)
+
+    def tree(self, b: int) -> Tree:
+        return self.trees[0] if len(self.trees) == 1 else self.trees[b]
+
+    def row(self, b: int) -> Draft:
+        if self.drafts is not None:
+            return self.drafts[b]
+        tree = self.tree(b)
+        return Draft(tree, self.tokens[b, : tree.size])
+
+
+@dataclass(frozen=True)
+class BatchFeedback:
+    """What verification decided for every active row (slot order): ``row(b)`` is row b's StepFeedback."""
+
+    draft: BatchDraft
+    accepted: list[tuple[int, ...]]
+    next_tokens: list[int]
+    logits: torch.Tensor  # (B, n, V) raw target logits, padding columns included
+
+    def row(self, b: int) -> StepFeedback:
+        d = self.draft.row(b)
+        return StepFeedback(d, self.accepted[b], self.next_tokens[b], self.logits[b, : d.tree.size])
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter over the rows of a batch (slots 0..B-1, as methods.core.batch_engine.BatchEngine keeps
+    them): ``join`` appends new rows at the end (their prompts (t,) long), ``leave(slot)`` removes a row and
+    moves the last row into its slot, ``propose_batch`` proposes for every active row, ``feedback_batch``
+    reports every row's verification. ``needs_hidden_states``: rows' contexts carry the target's hidden
+    states (as for Drafter)."""
+
+    needs_hidden_states: bool
+
+    def join(self, prompts: list[torch.Tensor]) -> None: ...
+
+    def leave(self, slot: int) -> None: ...
+
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft: ...
+
+    def feedback_batch(self, fb: BatchFeedback) -> None: ...
 
 
 def root_only(root_token: int, device: torch.device | str = "cpu") -> Draft:

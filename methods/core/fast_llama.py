@@ -190,15 +190,18 @@ class FastLlama:
 
     def layers_forward(
         self, x: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None, kv: list,
-        sub: SubLayers | None = None, taps: dict[int, torch.Tensor] | None = None,
+        sub: SubLayers | None = None, taps: dict[int, torch.Tensor] | None = None, rows: int = 1,
     ) -> torch.Tensor:
         """The residual stream x (n, H) through decoder layers ``sub`` (all by default: layers [start, stop)
         minus the skipped attention / MLP sub-layers, whose residual passes through unchanged and whose
         layer's cache gets no KV when its attention is skipped). Returns the (n, H) residual, no final
-        norm: the input of layer ``stop`` (self-speculation resumes from it)."""
+        norm: the input of layer ``stop`` (self-speculation resumes from it). ``rows`` > 1: x holds
+        ``rows`` sequences of n / rows nodes each, row-major (methods.core.batch_engine): position is flat
+        like x, the mask (rows, 1, n / rows, L) and the cache's ``update`` takes and returns (rows, ...)."""
         if self.packed and self._stamp() != self._version:  # the model's weights changed in place
             self._repack()
         n, d = x.shape[0], self.head_dim
+        m = n // rows  # nodes per row
         linear = self.linear
         cos, sin = self.cos[position], self.sin[position]  # (n, D)
         hq, k_end = self.n_heads, (self.n_heads + self.n_kv) * d
@@ -214,11 +217,11 @@ class FastLlama:
                 v = qkv[:, k_end:].view(n, -1, d)
                 if cast:
                     qk, v = qk.to(adt), v.to(adt)
-                qk, v = qk.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, heads, n, D)
-                keys, values = cache.update(qk[:, hq:], v)  # (1, Hkv, L, D)
+                qk, v = qk.view(rows, m, -1, d).transpose(1, 2), v.view(rows, m, -1, d).transpose(1, 2)
+                keys, values = cache.update(qk[:, hq:], v)  # (rows, Hkv, L, D)
                 att = F.scaled_dot_product_attention(qk[:, :hq], keys, values, attn_mask=mask,
-                                                     scale=self.scale, enable_gqa=gqa)  # (1, Hq, n, D)
-                att = att[0].transpose(0, 1).reshape(n, -1)  # (n, Hq D)
+                                                     scale=self.scale, enable_gqa=gqa)  # (rows, Hq, m, D)
+                att = att.transpose(1, 2).reshape(n, -1)  # (n, Hq D)
                 x = x + linear(att.to(x.dtype) if cast else att, layer.w_o)
             if i not in skip_mlp:
                 gate, up = linear(self._rms(x, layer.ln_post), layer.w_gate_up).chunk(2, dim=-1)

@@ -84,7 +84,7 @@ def decode(
         out = target.forward_tree(draft.tokens, draft.tree, hidden=want_hidden, layers=layers,
                                   resume=draft.resume)
         checked = verification_draft(draft)  # the nodes that may be accepted (all, for most drafters)
-        path, next_token = _verify(checked, out.logits[: checked.tree.size], opts, generator)
+        path, next_token = verify_step(checked, out.logits[: checked.tree.size], opts, generator)
         target.commit(path)
         t2 = time.perf_counter()
         res.n_target_forwards += 1
@@ -92,7 +92,7 @@ def decode(
         res.stats.record(checked.tree, path)
         drafted = draft.tokens.tolist()
         new = [drafted[i] for i in path[1:]] + [next_token]
-        new, stop = _cut(new, end - t, opts.eos_token_id)
+        new, stop = cut_block(new, end - t, opts.eos_token_id)
         tokens[t : t + len(new)] = torch.tensor(new, dtype=torch.long)
         t += len(new)
         res.time_verify_s += t2 - t1
@@ -139,7 +139,7 @@ def _propose(drafter: Drafter, ctx: DraftContext, device: torch.device) -> Draft
     return draft
 
 
-def _verify(
+def verify_step(
     draft: Draft, logits: torch.Tensor, opts: DecodeOptions, generator: torch.Generator
 ) -> tuple[tuple[int, ...], int]:
     """Accepted root-first path and next token. The root alone needs no verifier: the next token is the
@@ -163,7 +163,7 @@ def verification_draft(draft: Draft) -> Draft:
     return draft.select(subtree(draft.tree, keep), keep)
 
 
-def _cut(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
+def cut_block(new: list[int], room: int, eos: int | None) -> tuple[list[int], str]:
     """Truncate a step's tokens at the first EOS (kept) and to the room left; say why decoding stops."""
     if eos is not None and eos in new[:room]:
         return new[: new.index(eos) + 1], "eos"

@@ -25,7 +25,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from methods.core.drafter import Backbone, Draft, DraftContext, StepFeedback, root_only
+from methods.core.drafter import (
+    Backbone,
+    BatchContext,
+    BatchDraft,
+    BatchFeedback,
+    Draft,
+    DraftContext,
+    StepFeedback,
+    root_only,
+)
 from methods.core.loop import kept_nodes, subtree
 from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.verify import VERIFIER_PARAMS
@@ -155,6 +164,9 @@ class MedusaDrafter:
         dev = ctx.tokens.device
         return Draft(tree, tokens.to(dev), None if q is None else q.to(dev))
 
+    def batched(self, max_rows: int) -> BatchMedusa:
+        return BatchMedusa(self)
+
     def _layout(self, depth: int) -> tuple[Tree, list[int]]:
         """The configured tree cut to ``depth`` levels and the candidates it needs from each head
         (memoised: at most tree.depth variants)."""
@@ -162,6 +174,52 @@ class MedusaDrafter:
             tree = _prune(self.tree, [10**9] * depth)
             self._trees[depth] = (tree, _widths(tree))
         return self._trees[depth]
+
+
+class BatchMedusa:
+    """Medusa over a batch: the heads run once on the rows' hidden states (B, H); with deterministic top-k
+    candidates and every row's full tree, the candidate table is built for all rows at once. Rows near
+    their length limit, rows without a hidden state yet and sampled candidates go row by row through the
+    one-sequence drafter."""
+
+    needs_hidden_states = True
+
+    def __init__(self, one: MedusaDrafter) -> None:
+        self.one = one
+        self.h: list[torch.Tensor | None] = []
+
+    def join(self, prompts: list[torch.Tensor]) -> None:
+        self.h += [None] * len(prompts)
+
+    def leave(self, slot: int) -> None:
+        last = self.h.pop()
+        if slot < len(self.h):
+            self.h[slot] = last
+
+    def feedback_batch(self, fb: BatchFeedback) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft:
+        for b, c in enumerate(ctx.rows):
+            if c.hidden is not None and c.hidden.shape[0] > 0:
+                self.h[b] = c.hidden[-1]
+        one, full = self.one, self.one.tree.depth
+        room = min(c.max_new for c in ctx.rows) - 1
+        if one.mode != "topk" or room < full or any(h is None for h in self.h):
+            drafts = []
+            for h, c in zip(self.h, ctx.rows):
+                one._h = h
+                drafts.append(one.propose(c))
+            return BatchDraft.from_drafts(drafts)
+        tree, widths = one._layout(full)
+        w = one.heads.heads[0][-1].weight
+        h = torch.stack(self.h).to(w.device, w.dtype)  # (B, H)
+        table = ctx.roots.to(w.device)[:, None, None].repeat(1, full + 1, max(widths))  # (B, D+1, W)
+        for d in range(1, full + 1):
+            table[:, d, : widths[d - 1]] = one.heads.head_logits(h, d).float().topk(widths[d - 1]).indices
+        tokens = table[:, torch.as_tensor(tree.depths), torch.as_tensor(tree.ranks)]  # (B, N)
+        return BatchDraft(tokens.to(ctx.roots.device), [tree])
 
 
 def _widths(tree: Tree) -> list[int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.core.drafter import Draft, DraftContext, StepFeedback
+from methods.core.drafter import BatchContext, BatchDraft, BatchFeedback, Draft, DraftContext, StepFeedback
 from specsim.config import MethodConfig
 from specsim.tree import Tree
 
@@ -97,4 +97,35 @@ class PromptLookup:
         return Draft(self._chains[gamma], torch.tensor([int(ctx.tokens[-1]), *cont], dtype=torch.long))
 
     def feedback(self, fb: StepFeedback) -> None:
+        pass
+
+    def batched(self, max_rows: int) -> BatchPromptLookup:
+        return BatchPromptLookup(self)
+
+
+class BatchPromptLookup:
+    """One n-gram index per row, looked up on the host row by row (cheap: O(new tokens) each)."""
+
+    needs_hidden_states = False
+
+    def __init__(self, one: PromptLookup) -> None:
+        self.one = one
+        self.rows: list[NgramIndex] = []
+
+    def join(self, prompts: list[torch.Tensor]) -> None:
+        self.rows += [NgramIndex(self.one.params) for _ in prompts]
+
+    def leave(self, slot: int) -> None:
+        last = self.rows.pop()
+        if slot < len(self.rows):
+            self.rows[slot] = last
+
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft:
+        drafts = []
+        for index, c in zip(self.rows, ctx.rows):
+            self.one.index = index
+            drafts.append(self.one.propose(c))
+        return BatchDraft.from_drafts(drafts)
+
+    def feedback_batch(self, fb: BatchFeedback) -> None:
         pass

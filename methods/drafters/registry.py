@@ -31,6 +31,29 @@ DRAFTERS = MappingProxyType({
 DETERMINISTIC = frozenset({"prompt_lookup"})
 # drafters that decode with the separate draft model q (model.draft_*, or model.draft_path for hub/local).
 NEEDS_DRAFT_MODEL = frozenset({"draft_model"})
+# how each drafter decodes a batch (workload.batch_size > 1, methods.core.batch_loop): "batched" (its own
+# batched form: one draft computation for all rows), "per_row" (methods.core.batch_drafter.PerRow: one
+# instance per row, correct but drafting row by row), or "no: <why>" (run.py rejects the config).
+_SHARED_ENGINE = "no: it drafts with the target's own engine and KV cache (attach, shared cache), which " \
+                 "holds one sequence"
+BATCHABLE = MappingProxyType({
+    "autoregressive": "batched",
+    "draft_model": "batched",
+    "prompt_lookup": "batched",
+    "medusa": "batched",
+    "lookahead": "per_row",
+    "staged": "per_row",
+    "specinfer": "per_row",
+    "online": "no: it learns from the requests it serves, in order; one copy per row would train B "
+              "separate drafts",
+    "layerskip": _SHARED_ENGINE,
+    "draft_verify": _SHARED_ENGINE,
+    "mtp": "no: its MTP modules keep a per-sequence KV cache of their own; not batched yet",
+    "eagle": "no: its head keeps a per-sequence KV cache of its own and re-shapes trees per row (EAGLE-2); "
+             "not batched yet",
+    "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "
+              "return yet, and keeps a per-sequence KV cache",
+})
 
 
 def names() -> tuple[str, ...]:

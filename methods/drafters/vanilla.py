@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from methods.core.drafter import Draft, DraftContext, StepFeedback
+from methods.core.batch_engine import BatchEngine
+from methods.core.drafter import BatchContext, BatchDraft, BatchFeedback, Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.loop import kept_nodes, subtree
 from methods.core.sampling import SamplingParams, draw_without_replacement, probs
@@ -156,3 +158,126 @@ class DraftModelDrafter:
         if self._node_ids is not None:
             path = [self._node_ids[n] for n in path]
         self.engine.commit([self._fed[n] for n in path if n in self._fed])
+
+    def batched(self, max_rows: int) -> BatchDraftModel:
+        return BatchDraftModel(self, max_rows)
+
+
+@dataclass(frozen=True)
+class _Feeds:
+    """The shared tree's fed nodes as the draft engine's pending nodes: level l's nodes see the earlier
+    levels' fed nodes and their own (anc (1, f_l, P_l) over the pending order), at depth - 1 (the root is
+    committed); ``index``: node → pending index."""
+
+    anc: list[torch.Tensor]
+    depths: list[torch.Tensor]
+    index: dict[int, int]
+
+
+class BatchDraftModel:
+    """The draft model over a batch: its own BatchEngine with one row per target row; each level of the tree
+    is ONE draft forward of all rows (the tree is the same for every row; rows near their length limit get it
+    cut afterwards, rows whose without-replacement draws ran out of mass get those nodes pruned)."""
+
+    needs_hidden_states = False
+
+    def __init__(self, one: DraftModelDrafter, max_rows: int) -> None:
+        self.one, self.tree = one, one.tree
+        self.engine = BatchEngine(one.engine.model, max_rows)
+        self._feeds: dict[Tree, _Feeds] = {}
+        self._node_ids: list[list[int] | None] = []
+
+    def join(self, prompts: list[torch.Tensor]) -> None:
+        first = self.engine.add(len(prompts))
+        self.engine.prefill([p[:-1] for p in prompts], rows=slice(first, first + len(prompts)))
+
+    def leave(self, slot: int) -> None:
+        self.engine.remove(slot)
+
+    @torch.inference_mode()
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft:
+        eng, tree, one = self.engine, self.tree, self.one
+        last = self._catch_up(ctx)  # (B, V) the draft's logits at every root
+        b = eng.rows
+        tokens = torch.empty(b, tree.size, dtype=torch.long, device=eng.device)
+        tokens[:, 0] = ctx.roots.to(eng.device)
+        q = None if one.mode == "topk" else torch.zeros(b, tree.size, last.shape[-1], device=eng.device)
+        valid = torch.ones(b, tree.size, dtype=torch.bool, device=eng.device)
+        feeds, logits = self._feeds_of(tree), last[:, None]  # (B, P, V)
+        for i, level in enumerate(one._plan(tree)):
+            self._fill(level, logits, tokens, q, valid, ctx.rows[0].generator)
+            if not level.feed:
+                break
+            logits = eng.extend(tokens[:, level.feed], feeds.anc[i], feeds.depths[i]).logits  # (B, f, V)
+        return self._rows(ctx, tokens, q, valid)
+
+    def _catch_up(self, ctx: BatchContext) -> torch.Tensor:
+        """Feed each row the committed tokens its draft cache lacks (its root last), in one forward."""
+        eng = self.engine
+        missing = [c.tokens[n:] for c, n in zip(ctx.rows, eng.lengths)]
+        m = [x.numel() for x in missing]
+        width = max(m)
+        ids = torch.nn.utils.rnn.pad_sequence(missing, batch_first=True).to(eng.device)  # (B, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=eng.device).tril()[None]
+        depths = torch.arange(width, device=eng.device)[None]
+        logits = eng.extend(ids, causal, depths).logits  # (B, width, V)
+        eng.commit_counts(m)
+        return logits[torch.arange(len(m)), torch.tensor(m) - 1]
+
+    def _fill(self, level, logits: torch.Tensor, tokens, q, valid, generator) -> None:
+        """Tokens of depth d for every row from the parents' draft logits (B, P, V)."""
+        mode = self.one.mode
+        if mode == "topk":
+            choice = logits.topk(level.width, dim=-1).indices  # (B, P, width)
+        else:
+            rows_q = probs(logits, self.one.sampling)  # (B, P, V)
+            q[:, level.parents] = rows_q
+            if mode == "with_replacement":
+                flat = rows_q.reshape(-1, rows_q.shape[-1])
+                choice = torch.multinomial(flat, level.width, replacement=True, generator=generator)
+                choice = choice.view(*rows_q.shape[:2], level.width)
+            else:
+                choice, drawn = draw_without_replacement(rows_q, level.width, generator)
+                valid[:, level.kids] = drawn[:, level.rows, level.cols]
+        tokens[:, level.kids] = choice[:, level.rows, level.cols]
+
+    def _rows(self, ctx: BatchContext, tokens: torch.Tensor, q, valid: torch.Tensor) -> BatchDraft:
+        """The rows' drafts: the shared tree, or per row the tree cut to its room / pruned of invalid
+        draws (``_node_ids`` maps the row's nodes back to the shared tree's)."""
+        tree = self.tree
+        room = [c.max_new for c in ctx.rows]
+        self._node_ids = [None] * len(room)
+        whole = min(room) >= tree.depth and (self.one.mode != "without_replacement" or bool(valid.all()))
+        if whole and q is None:
+            return BatchDraft(tokens, [tree])
+        drafts, ok = [], valid.tolist()
+        for b, r in enumerate(room):
+            draft = Draft(tree, tokens[b], None if q is None else q[b])
+            keep = kept_nodes(tree, [v and d <= r for v, d in zip(ok[b], tree.depths)])
+            if len(keep) < tree.size:
+                self._node_ids[b] = keep
+                draft = draft.select(subtree(tree, keep), keep)
+            drafts.append(draft)
+        return BatchDraft.from_drafts(drafts)
+
+    def _feeds_of(self, tree: Tree) -> _Feeds:
+        hit = self._feeds.get(tree)
+        if hit is None:
+            anc, depths, order = [], [], []
+            dev = self.engine.device
+            for level in self.one._plan(tree):
+                order += level.feed
+                rows = tree.ancestor_mask[np.ix_(level.feed, order)] if level.feed else np.zeros((0, 0), bool)
+                anc.append(torch.from_numpy(np.ascontiguousarray(rows))[None].to(dev))
+                depths.append(torch.as_tensor(tree.depths[level.feed] - 1, device=dev)[None])
+            hit = self._feeds[tree] = _Feeds(anc, depths, {n: i for i, n in enumerate(order)})
+        return hit
+
+    def feedback_batch(self, fb: BatchFeedback) -> None:
+        """Each row keeps the draft KV of its accepted nodes that were fed; the rest is dropped."""
+        index = self._feeds_of(self.tree).index
+        keeps = []
+        for path, ids in zip(fb.accepted, self._node_ids):
+            nodes = path[1:] if ids is None else [ids[n] for n in path[1:]]
+            keeps.append([index[n] for n in nodes if n in index])
+        self.engine.commit(keeps)

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from methods.core.batch_drafter import batched
+from methods.core.batch_engine import BatchEngine
+from methods.core.batch_loop import BatchResult, decode_batch
 from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, DecodeResult, decode
 from methods.core.metrics import AcceptStats
@@ -62,6 +65,7 @@ class _Totals:
     prefill_s: float = 0.0
     steps: list[float] = field(default_factory=list)  # seconds per decode step of each prompt (no prefill)
     offline_s: float = 0.0
+    forward_s: float = 0.0  # batches: the target forward alone
 
     def add(self, r: DecodeResult) -> None:
         self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1))
@@ -72,6 +76,17 @@ class _Totals:
         self.verify_s += r.time_verify_s
         self.prefill_s += r.time_prefill_s
         self.offline_s += r.time_offline_s
+
+    def add_batch(self, r: BatchResult) -> None:
+        """A batch's totals: tokens over its wall time (the rows' decodes overlap)."""
+        self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_steps, 1))
+        self.tokens += r.tokens
+        self.seconds += r.time_total_s
+        self.forwards += r.n_steps
+        self.draft_s += r.time_draft_s
+        self.verify_s += r.time_verify_s
+        self.prefill_s += r.time_prefill_s
+        self.forward_s += r.time_forward_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,20 +137,32 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     base_opts = DecodeOptions(Verifier.greedy, sampling, w.max_new_tokens, eos)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
     warm_ids = torch.tensor(warm.token_ids, dtype=torch.long)
-    for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: keep them out of the timings
-        decode(target, baseline, warm_ids, base_opts, generator)
-        decode(target, drafter, warm_ids, opts, generator)
-
     stats, method_t, base_t = AcceptStats(), _Totals(), _Totals()
     samples = []
-    for prompt, x in zip(tqdm(prompts, desc=f"measure {cfg.method.name}", disable=not show_progress), ids):
-        ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
-        res = decode(target, drafter, x, opts, generator)
-        base_t.add(ref)
-        method_t.add(res)
+    if w.batch_size > 1:
+        def remake():  # one more instance of the drafter (batched per row)
+            return build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling,
+                                 tree_cfg=cfg.tree)
+
+        pairs = _decode_batches(cfg, backbone, (baseline, drafter, remake), ids, warm_ids, (base_opts, opts),
+                                generator, (base_t, method_t), show_progress)
+    else:
+        for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: out of the timings
+            decode(target, baseline, warm_ids, base_opts, generator)
+            decode(target, drafter, warm_ids, opts, generator)
+        pairs = []
+        for x in tqdm(ids, desc=f"measure {cfg.method.name}", disable=not show_progress):
+            ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
+            res = decode(target, drafter, x, opts, generator)
+            base_t.add(ref)
+            method_t.add(res)
+            pairs.append((res, ref))
+    for prompt, (res, ref) in zip(prompts, pairs):
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
+    if w.batch_size > 1:
+        metrics.update(_batch_metrics(cfg, method_t, base_t))
     if hasattr(drafter, "run_stats"):  # a drafter's own figures (Staged SD: draft forwards per step)
         metrics.update(drafter.run_stats())
     metrics.update(_per_request(samples))
@@ -152,7 +179,9 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup}
     else:  # the profile's t(1) against this run's own baseline step: if stale, predict with the run's t(1)
-        profile, judged = judge_profile(profile, profile_path(pcfg), base_t.steps)
+        # the profile's t(1) is a one-sequence step: a batch's step is not comparable (never judged stale)
+        steps = base_t.steps if w.batch_size == 1 else []
+        profile, judged = judge_profile(profile, profile_path(pcfg), steps)
         predictions.update(judged)
         if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
             predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
@@ -172,6 +201,48 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "device": str(models.device),
     })
     return RunResult(metrics, samples)
+
+
+def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.Tensor], warm: torch.Tensor,
+                    opts: tuple[DecodeOptions, DecodeOptions], generator: torch.Generator,
+                    totals: tuple[_Totals, _Totals], show_progress: bool
+                    ) -> list[tuple[DecodeResult, DecodeResult]]:
+    """Batched autoregressive and batched speculative decoding of the prompts (methods.core.batch_loop), at
+    the same batch size: static batches of B prompts, interleaved batch by batch (same machine state), or
+    with ``workload.continuous`` the whole workload per side with requests joining as rows finish.
+    Returns (method, baseline) results per prompt."""
+    w, (baseline, drafter, remake) = cfg.workload, drafters
+    b = w.batch_size
+    room = max(x.numel() for x in [*ids, warm]) + w.max_new_tokens + 64  # + the largest tree, grown if needed
+    target = BatchEngine(backbone, b, capacity=room)
+    sides = (batched(baseline, b), batched(drafter, b, remake))
+    for _ in range(cfg.warmup):
+        for side, o in zip(sides, opts):
+            decode_batch(target, side, [warm] * b, o, generator, w.continuous)
+    chunks = [ids] if w.continuous else [ids[i : i + b] for i in range(0, len(ids), b)]
+    out: list[tuple[DecodeResult, DecodeResult]] = []
+    desc = f"measure {cfg.method.name} (batch {b}{', continuous' if w.continuous else ''})"
+    for chunk in tqdm(chunks, desc=desc, disable=not show_progress):
+        ref, res = (decode_batch(target, side, chunk, o, generator, w.continuous)
+                    for side, o in zip(sides, opts))
+        totals[0].add_batch(ref)
+        totals[1].add_batch(res)
+        out += list(zip(res.results, ref.results))
+    return out
+
+
+def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, Any]:
+    """A batched run's own keys. The predictions are still the one-sequence simulator's (no t(B, n) yet)."""
+    return {
+        "batch_size": cfg.workload.batch_size,
+        "continuous": cfg.workload.continuous,
+        "time_forward_s": method.forward_s,
+        "baseline_time_forward_s": base.forward_s,
+        # the step's time outside the target forward (drafting, verification, bookkeeping), decode only
+        "outside_forward_fraction": 1 - method.forward_s / max(method.seconds - method.prefill_s, 1e-12),
+        "baseline_outside_forward_fraction": 1 - base.forward_s / max(base.seconds - base.prefill_s, 1e-12),
+        "prediction_batch_size": 1,  # predicted_* are for one sequence: the batch-aware model is pending
+    }
 
 
 def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> dict[str, Any]:

@@ -210,3 +210,22 @@ def test_timers_and_speedups_on_a_fake_clock(run_config, tmp_path, monkeypatch):
     assert (m["time_total_s"], m["baseline_time_s"]) == (prompts + fw, prompts + base_fw)
     assert m["decode_speedup"] == pytest.approx(m["n_tokens"] / fw)
     assert m["speedup"] == pytest.approx((prompts + base_fw) / (prompts + fw))
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["static", "continuous"])
+def test_measure_batched(run_config, continuous):
+    """workload.batch_size > 1: batched speculative vs batched autoregressive in one run, every row equal to
+    the target's greedy continuation alone."""
+    cfg = run_config(*SMALL, "method=vanilla", "workload.num_prompts=3", "workload.batch_size=2",
+                     f"workload.continuous={continuous}")
+    result = measure(cfg, show_progress=False)
+    m = result.metrics
+    assert set(CONTRACT) <= set(m)
+    assert m["batch_size"] == 2 and m["continuous"] is continuous and m["prediction_batch_size"] == 1
+    assert m["greedy_equal_rate"] == 1.0 and m["n_tokens"] == m["baseline_n_tokens"]
+    assert 0 < m["time_forward_s"] < m["time_total_s"] and 0 < m["outside_forward_fraction"] < 1
+    models = load_models(cfg.model, cfg.device, cfg.model.dtype)
+    prompts = load_prompts(cfg.workload, models.tokenizer, cfg.seed)
+    assert len(result.samples) == 3
+    for prompt, sample in zip(prompts, result.samples):
+        assert sample["token_ids"] == _greedy(models.target, prompt.token_ids, len(sample["token_ids"]))

@@ -1,0 +1,137 @@
+"""Throughput of specsim's batched decode loop (issue 16): tokens/s of batched autoregressive decoding and of
+batched vanilla speculative decoding (the draft model chain of the method=vanilla preset) for each batch size,
+the share of a decode step spent outside the target forward (drafting, verification, bookkeeping), and the
+batched-vs-alone identity rate (greedy rows against each prompt decoded alone by the one-sequence loop).
+
+Each batch decodes B workload prompts (code, test split) for --new-tokens tokens each, static batch (no
+continuous joining, so every row runs the whole time unless it hits EOS). Figures are medians over --reps
+interleaved repetitions; tok/s counts generated tokens over the decode time (prefill left out: the anchor,
+vLLM's CPU build at batch 16 on the zoo target, ~1,600-2,000 tok/s bf16 one thread, is a steady-state figure),
+over the whole time, and over the process's CPU time (one thread: what a loaded machine distorts least).
+"outside" = the decode time outside the target forward (drafting included); "overhead" = outside minus
+drafting: the loop's own work (verification, commit, bookkeeping).
+
+    python benchmarks/batch_loop.py                                   # zoo target, bfloat16, one thread
+    python benchmarks/batch_loop.py --dtype float32 --batch-sizes 1,4,16 --identity
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from methods.core.batch_drafter import batched  # noqa: E402
+from methods.core.batch_engine import BatchEngine  # noqa: E402
+from methods.core.batch_loop import BatchResult, decode_batch  # noqa: E402
+from methods.core.engine import ModelEngine  # noqa: E402
+from methods.core.loop import DecodeOptions, decode  # noqa: E402
+from methods.core.sampling import SamplingParams  # noqa: E402
+from methods.data.workloads import load_prompts  # noqa: E402
+from methods.drafters.autoregressive import Autoregressive  # noqa: E402
+from methods.drafters.registry import build_drafter  # noqa: E402
+from methods.models import load_models  # noqa: E402
+from specsim.tree import Tree  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
+    """tok/s over the decode time and the whole time; over the process's CPU time (one thread: the time
+    it actually ran, a figure a loaded machine distorts less); the share of the decode time outside the
+    target forward, and of it what is neither the forward nor drafting (the loop's own overhead)."""
+    decode_s = r.time_total_s - r.time_prefill_s
+    return {"decode_tok_s": r.tokens / decode_s, "total_tok_s": r.tokens / r.time_total_s,
+            "cpu_tok_s": r.tokens / cpu_s, "outside": 1 - r.time_forward_s / decode_s,
+            "overhead": 1 - (r.time_forward_s + r.time_draft_s) / decode_s, "tau": r.stats.tau}
+
+
+def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int, reps: int) -> dict:
+    """{B: {"ar": rates, "vanilla": rates}} medians over reps (each rep: AR then vanilla, every B)."""
+    opts = DecodeOptions(max_new_tokens=new_tokens)  # no EOS: every row decodes new_tokens tokens
+    room = max(x.numel() for x in prompts) + new_tokens + 16
+    tree = Tree.chain(int(cfg.tree.gamma))
+    draft = build_drafter(cfg.method, tree, models, GREEDY)
+    engines = {b: BatchEngine(models.target, b, capacity=room) for b in sizes}
+    sides = {b: {"ar": batched(Autoregressive(), b), "vanilla": batched(draft, b)} for b in sizes}
+    runs: dict[int, dict[str, list[dict]]] = {b: {"ar": [], "vanilla": []} for b in sizes}
+    for rep in range(reps + 1):  # the first is the warm-up
+        for b in sizes:
+            for name, side in sides[b].items():
+                cpu = time.process_time()
+                r = decode_batch(engines[b], side, prompts[:b], opts, torch.Generator())
+                if rep:
+                    runs[b][name].append(_rates(r, time.process_time() - cpu))
+    return {b: {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in per.items()}
+            for b, per in runs.items()}
+
+
+def identity(models, cfg, prompts: list[torch.Tensor], b: int, new_tokens: int) -> dict[str, float]:
+    """Share of rows whose batched greedy output equals the prompt decoded alone (AR, one-sequence loop)."""
+    opts = DecodeOptions(max_new_tokens=new_tokens, eos_token_id=models.tokenizer.eos_token_id)
+    alone = [decode(ModelEngine(models.target), Autoregressive(), x, opts, torch.Generator()).token_ids
+             for x in prompts]
+    draft = build_drafter(cfg.method, Tree.chain(int(cfg.tree.gamma)), models, GREEDY)
+    out = {}
+    for name, side in (("ar", batched(Autoregressive(), b)), ("vanilla", batched(draft, b))):
+        target = BatchEngine(models.target, b)
+        r = decode_batch(target, side, prompts, opts, torch.Generator(), continuous=True)
+        out[name] = sum(x.token_ids == y for x, y in zip(r.results, alone)) / len(prompts)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="zoo", help="a conf/model preset")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--identity", type=int, default=0, metavar="N",
+                    help="also the batched-vs-alone identity rate over N prompts (batch 16)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import run  # the repository's entry point: composes conf/ presets (Hydra stays there)
+
+    cfg = run.compose_run_config(f"model={args.model}", "method=vanilla")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    n = max(max(sizes), args.identity)
+    w = replace(cfg.workload, num_prompts=n, prompt_tokens=args.prompt_tokens)
+    prompts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
+    res = bench(models, cfg, prompts, sizes, args.new_tokens, args.reps)
+    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} new_tokens="
+          f"{args.new_tokens} prompt_tokens~{args.prompt_tokens} gamma={cfg.tree.gamma} "
+          f"(medians of {args.reps})")
+    print(f"{'B':>4} {'AR tok/s':>9} {'total':>6} {'cpu':>6} {'outside':>8} | {'vanilla tok/s':>13} "
+          f"{'total':>6} {'cpu':>6} {'tau':>5} {'outside':>8} {'overhead':>8} {'speedup':>8}")
+    for b in sizes:
+        ar, va = res[b]["ar"], res[b]["vanilla"]
+        print(f"{b:>4} {ar['decode_tok_s']:>9.0f} {ar['total_tok_s']:>6.0f} {ar['cpu_tok_s']:>6.0f} "
+              f"{ar['outside']:>8.1%} | {va['decode_tok_s']:>13.0f} {va['total_tok_s']:>6.0f} "
+              f"{va['cpu_tok_s']:>6.0f} {va['tau']:>5.2f} {va['outside']:>8.1%} {va['overhead']:>8.1%} "
+              f"{va['decode_tok_s'] / ar['decode_tok_s']:>7.2f}x")
+    summary = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "new_tokens": args.new_tokens, "results": {str(b): r for b, r in res.items()}}
+    if 16 in res:
+        summary["outside_forward_fraction_b16"] = {k: res[16][k]["outside"] for k in ("ar", "vanilla")}
+        summary["loop_overhead_fraction_b16"] = {k: res[16][k]["overhead"] for k in ("ar", "vanilla")}
+    if args.identity:
+        summary["identity_rate"] = identity(models, cfg, prompts[: args.identity], 16, args.new_tokens)
+        print(f"batched-vs-alone identity over {args.identity} prompts (batch 16): "
+              f"{summary['identity_rate']}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

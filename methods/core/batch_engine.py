@@ -1,0 +1,310 @@
+"""KV-cached forwards of one causal LM over B sequences at once, with tree attention per row.
+
+The batched counterpart of methods.core.engine.ModelEngine (same contract per row; p = target). Row b's cache
+holds its committed prefix (``lengths[b]`` tokens) in preallocated (L, R, H_kv, cap, D) buffers; a forward
+appends n pending nodes to EVERY active row at slots lengths[b] .. lengths[b] + n - 1 (rows whose tree is
+smaller are padded with nodes that are never accepted) and attends through one 4D float additive mask
+(B, 1, n, max(lengths) + n) built with tensor ops: row b's node i sees its own prefix, its pending ancestors
+and itself, nothing of the other rows and nothing past its own prefix (the columns of longer rows). Position
+ids are explicit per row: lengths[b] + depth. ``commit`` keeps a ragged accepted path per row (rows advance
+by different amounts; the rest is rolled back by moving the write position), moving tree nodes' KV with one
+gather/scatter over all layers and rows.
+
+Active rows are slots 0..B-1. A row that leaves (``remove``) is replaced by the last active row (its KV moved
+into the freed slot), so a forward is always over a contiguous block of rows; a new request joins at slot B
+(``add``) and is prefilled alone (``prefill(..., rows=slice(B, B + 1))``) or with the others. The lean Llama
+forward (methods.core.fast_llama) runs where the model supports it, HF's forward otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+from methods.core.engine import context_length
+from methods.core.fast_llama import FastLlama
+from methods.core.fast_llama import supports as supports_fast
+from specsim.tree import Tree
+
+
+@dataclass(frozen=True)
+class BatchOut:
+    logits: torch.Tensor  # (B, n, V) float32 (prefill with last_only: (B, 1, V))
+    hidden: torch.Tensor | None  # (B, n, H) last-layer hidden states after the final norm, when asked
+
+
+class _RowsLayer(DynamicLayer):
+    """One layer's view of the engine's buffers for HF's ``Cache`` / the lean forward: ``update`` writes the
+    forward's (b, H_kv, n, D) keys/values at each row's own slots and returns the rows' (b, H_kv, W, D)."""
+
+    def __init__(self, engine: BatchEngine, index: int):
+        super().__init__()
+        self.engine, self.index = engine, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        e = self.engine
+        k, v = e.k[self.index], e.v[self.index]  # (R, H_kv, cap, D)
+        k[e._write_rows, :, e._write_cols] = key_states.transpose(1, 2).to(k.dtype)  # (b, n, H_kv, D)
+        v[e._write_rows, :, e._write_cols] = value_states.transpose(1, 2).to(v.dtype)
+        rows = e._rows
+        self.keys, self.values = k[rows, :, : e._width], v[rows, :, : e._width]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.engine._width
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.engine._width, 0
+
+
+class BatchEngine:
+    """The KV caches of up to ``max_rows`` sequences on one model. All methods run under inference mode.
+
+    API (stable; what decode_batch and the batched drafters call):
+      ``add(k) -> slot``: k new empty rows at the end (slots B..B+k-1); ``remove(slot)``: the row leaves, the
+      last row moves into ``slot``; ``rows``: B active rows; ``lengths``: committed tokens per row (host);
+      ``prefill(ids, rows=None) -> BatchOut``: committed prompts (list of (T_b,) tensors, ragged) appended to
+      the rows ``rows`` (a slice; default all); ``forward(tokens, anc, depths, hidden=False) -> BatchOut``:
+      ONE forward of n pending nodes on every active row (tokens (B, n), ancestor-or-self masks (B or 1, n,
+      n) bool, depths (B or 1, n)); ``forward_trees(tokens, trees)``: the same from per-row ``Tree``s padded
+      to the largest; ``extend(tokens, anc (B or 1, n, P + n), depths)``: n more pending nodes after the P
+      pending ones (a draft tree level by level); ``commit(paths)``: keep each row's accepted pending nodes
+      (ascending, root first), drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes
+      of each row (chains)."""
+
+    def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int | None = None, fast: bool = True,
+                 pack: bool | None = None):
+        self.model = model
+        cpu_fp32_attention = torch.float32 if model.device.type == "cpu" else None
+        self.fast = FastLlama(model, cpu_fp32_attention, pack) if fast and supports_fast(model) else None
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        self.context = context_length(model)
+        self.device, self.dtype = model.device, model.dtype
+        cfg = model.config.get_text_config()
+        self.n_layers = cfg.num_hidden_layers
+        heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.kv_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype
+        self.max_rows = max_rows
+        self.capacity = min(capacity or self.context, self.context)
+        shape = (self.n_layers, max_rows, self.n_kv, self.capacity, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.cache = Cache(layers=[_RowsLayer(self, i) for i in range(self.n_layers)])
+        self._neg = torch.finfo(self.kv_dtype).min
+        self._arange = torch.arange(self.capacity + 1, device=self.device)
+        self._tree_memo: dict[Tree, tuple[np.ndarray, np.ndarray]] = {}
+        self.reset()
+
+    # ---- rows ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """No rows (buffers are kept)."""
+        self.rows = 0
+        self.lengths: list[int] = []
+        self._len = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
+        self.pending = 0
+
+    def add(self, k: int = 1) -> int:
+        """k new empty rows at slots B..B+k-1; returns B (the first new slot)."""
+        assert self.pending == 0, "commit pending nodes before rows join"
+        assert self.rows + k <= self.max_rows, f"{self.rows} + {k} rows exceed max_rows {self.max_rows}"
+        first = self.rows
+        self.rows += k
+        self.lengths += [0] * k
+        self._len[first : self.rows] = 0
+        return first
+
+    def remove(self, slot: int) -> None:
+        """Row ``slot`` leaves; the last row moves into its slot (KV copied, O(its length))."""
+        assert self.pending == 0 and 0 <= slot < self.rows
+        last = self.rows - 1
+        if slot != last:
+            n = self.lengths[last]
+            self.k[:, slot, :, :n] = self.k[:, last, :, :n]
+            self.v[:, slot, :, :n] = self.v[:, last, :, :n]
+            self.lengths[slot] = n
+            self._len[slot] = n
+        self.lengths.pop()
+        self.rows = last
+
+    def check_fits(self, n_tokens: int) -> None:
+        if n_tokens > self.context:
+            raise ValueError(
+                f"sequence of {n_tokens} tokens exceeds the model's context of {self.context} positions "
+                f"({type(self.model).__name__}); shorten the prompt or lower max_new_tokens")
+
+    def _ensure(self, needed: int) -> None:
+        """Grow every row's capacity to ``needed`` slots (amortised doubling, at most the context)."""
+        if needed <= self.capacity:
+            return
+        self.check_fits(needed)
+        cap = min(max(needed, 2 * self.capacity), self.context)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], cap, old.shape[-1])
+            new[:, :, :, : self.capacity] = old
+            setattr(self, name, new)
+        self.capacity = cap
+        self._arange = torch.arange(cap + 1, device=self.device)
+
+    # ---- forwards --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[torch.Tensor], rows: slice | None = None, hidden: bool = False
+                ) -> BatchOut | None:
+        """Append committed tokens (one (T_b,) tensor per row of ``rows``, ragged; T_b may be 0) causally,
+        in one forward; logits at each row's last token ((b, 1, V); rows with T_b = 0: garbage), and the
+        hidden states of all (b, max T, H) if asked. None when every row's ids are empty."""
+        assert self.pending == 0, "commit pending nodes before a prefill"
+        rows = rows or slice(0, self.rows)
+        counts = [int(x.numel()) for x in ids]
+        assert len(counts) == rows.stop - rows.start, "one ids tensor per row"
+        n = max(counts, default=0)
+        if n == 0:
+            return None
+        tokens = torch.zeros(len(counts), n, dtype=torch.long)
+        for b, x in enumerate(ids):
+            tokens[b, : counts[b]] = x.view(-1).cpu()
+        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]  # pads see all before
+        depths = self._arange[:n][None]
+        out = self._run(tokens.to(self.device), causal, depths, rows, hidden,
+                        last=torch.tensor([max(c - 1, 0) for c in counts], device=self.device))
+        self._commit_counts(counts, rows)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, hidden: bool = False
+                ) -> BatchOut:
+        """ONE forward of n pending nodes on each of the B active rows: tokens (B, n) (node 0 = the row's
+        root, whose parent is the committed prefix), anc (B or 1, n, n) bool ancestor-or-self, depths (B or
+        1, n) long. Rows with fewer nodes pad with nodes that see only the prefix and themselves."""
+        assert self.pending == 0, "commit the previous forward's nodes first"
+        return self.extend(tokens, anc, depths, hidden)
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, hidden: bool = False
+               ) -> BatchOut:
+        """Append n more pending nodes to each active row, after its P pending ones (a draft tree grown
+        level by level): anc (B or 1, n, P + n) bool, over the row's pending nodes then these; depths (B or 1,
+        n): positions are lengths[b] + depth (the committed root is at depth -1)."""
+        return self._run(tokens.to(self.device), anc.to(self.device), depths.to(self.device),
+                         slice(0, self.rows), hidden)
+
+    def forward_trees(self, tokens: torch.Tensor, trees: Sequence[Tree], hidden: bool = False) -> BatchOut:
+        """``forward`` from one Tree per row (or one shared: a 1-element list); tokens (B, n), n ≥ the
+        largest tree (columns past a row's tree are padding)."""
+        n = tokens.shape[1]
+        if len(trees) == 1 or all(t is trees[0] for t in trees):
+            anc, depths = self._padded(trees[0], n)
+            return self.forward(tokens, torch.from_numpy(anc)[None], torch.from_numpy(depths)[None], hidden)
+        anc = np.zeros((len(trees), n, n), dtype=bool)
+        depths = np.zeros((len(trees), n), dtype=np.int64)
+        for b, tree in enumerate(trees):
+            anc[b], depths[b] = self._padded(tree, n)
+        return self.forward(tokens, torch.from_numpy(anc), torch.from_numpy(depths), hidden)
+
+    def _padded(self, tree: Tree, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tree's (n, n) ancestor-or-self mask and (n,) depths, padded to n nodes (padding: itself only,
+        depth 0)."""
+        key = (tree, n)
+        hit = self._tree_memo.get(key)
+        if hit is None:
+            size = tree.size
+            assert size <= n, f"tree of {size} nodes in a forward of {n}"
+            anc = np.eye(n, dtype=bool)
+            anc[:size, :size] = tree.ancestor_mask
+            depths = np.zeros(n, dtype=np.int64)
+            depths[:size] = tree.depths
+            if len(self._tree_memo) >= 256:
+                self._tree_memo.clear()
+            hit = self._tree_memo[key] = (anc, depths)
+        return hit
+
+    def _run(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, rows: slice, hidden: bool,
+             last: torch.Tensor | None = None) -> BatchOut:
+        b, n = tokens.shape
+        p0 = self.pending
+        lens = self._len[rows]  # (b,)
+        width = max(self.lengths[rows], default=0) + p0 + n
+        self._ensure(width)
+        self.check_fits(width)
+        self._rows, self._width = rows, width
+        self._write_rows = self._arange[rows.start : rows.stop, None]  # (b, 1)
+        self._write_cols = lens[:, None] + p0 + self._arange[:n]  # (b, n)
+        mask = self._mask(lens, anc, p0 + n, width)  # (b, 1, n, W)
+        position = lens[:, None] + depths  # (b, n)
+        if self.fast is not None:
+            x = self.fast.embed_tokens(tokens.reshape(-1))
+            x = self.fast.layers_forward(x, position.reshape(-1), mask, self.cache.layers, rows=b)
+            h = self.fast.final_norm(x).view(b, n, -1)
+        else:
+            out = self.base(input_ids=tokens, attention_mask=mask.to(self.dtype), position_ids=position,
+                            past_key_values=self.cache, use_cache=True)
+            h = out.last_hidden_state  # (b, n, H)
+        self.pending = p0 + n
+        h_out = h if last is None else h[torch.arange(b, device=h.device), last][:, None]
+        flat = h_out.reshape(-1, h_out.shape[-1])
+        logits = self.fast.logits(flat) if self.fast is not None else self.head(flat)
+        return BatchOut(logits.float().view(b, h_out.shape[1], -1), h if hidden else None)
+
+    def _mask(self, lens: torch.Tensor, anc: torch.Tensor, p: int, width: int) -> torch.Tensor:
+        """(b, 1, n, W) additive mask for n new nodes: column c of row b is its prefix (c < lens[b]: 0), its
+        pending node j = c - lens[b] < p (0 where anc[b, i, j], else -inf), or past them (-inf)."""
+        b, n = lens.shape[0], anc.shape[1]
+        rel = self._arange[:width][None] - lens[:, None]  # (b, W)
+        pending = (rel >= 0) & (rel < p)
+        idx = rel.clamp(0, p - 1)[:, None].expand(b, n, width)
+        tree = anc.expand(b, n, p).gather(2, idx) & pending[:, None]  # (b, n, W)
+        allowed = tree | (rel < 0)[:, None]
+        zero = torch.zeros((), dtype=self.kv_dtype, device=self.device)
+        return torch.where(allowed, zero, torch.full((), self._neg, dtype=self.kv_dtype,
+                                                      device=self.device))[:, None]
+
+    # ---- commit ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def commit_counts(self, counts: Sequence[int]) -> None:
+        """Keep the first counts[b] pending nodes of each active row (a chain's accepted prefix)."""
+        self._commit_counts(counts, slice(0, self.rows))
+
+    def _commit_counts(self, counts: Sequence[int], rows: slice) -> None:
+        assert self.pending > 0 or not any(counts)
+        assert all(0 <= c <= self.pending for c in counts), f"counts {counts} > pending {self.pending}"
+        for b, c in zip(range(rows.start, rows.stop), counts):
+            self.lengths[b] += c
+        self._len[rows] += torch.tensor(list(counts), device=self.device)
+        self.pending = 0
+
+    @torch.inference_mode()
+    def commit(self, paths: Sequence[Sequence[int]]) -> None:
+        """Keep each active row's pending nodes ``paths[b]`` (ascending pending indices, e.g. the accepted
+        root-first path) as committed tokens; drop the others (and the padding)."""
+        assert len(paths) == self.rows, f"{len(paths)} paths for {self.rows} rows"
+        counts = [len(p) for p in paths]
+        moved = [b for b, p in enumerate(paths) if list(p) != list(range(len(p)))]
+        if moved:
+            k = max(counts[b] for b in moved)
+            src = np.empty((len(moved), k), dtype=np.int64)
+            for i, b in enumerate(moved):
+                p = list(paths[b])
+                assert all(0 <= x < self.pending for x in p) and all(x < y for x, y in zip(p, p[1:])), p
+                src[i] = p + list(range(len(p), k))  # past the path: moved onto itself
+            base = torch.tensor([self.lengths[b] for b in moved], device=self.device)[:, None]
+            rows = torch.tensor(moved, device=self.device)[:, None]
+            dst = base + self._arange[:k]
+            src_t = base + torch.from_numpy(src).to(self.device)
+            self.k[:, rows, :, dst] = self.k[:, rows, :, src_t]  # (m, k, L, H_kv, D): copied before written
+            self.v[:, rows, :, dst] = self.v[:, rows, :, src_t]
+        self._commit_counts(counts, slice(0, self.rows))
+
+    def drop_pending(self) -> None:
+        self.commit([()] * self.rows)

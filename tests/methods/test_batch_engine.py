@@ -1,0 +1,92 @@
+"""The batched engine against the one-sequence engine (fp32): one forward over B rows with ragged prompts,
+ragged trees (padded) and ragged commits gives every row the logits ModelEngine gives it alone, step after
+step, also after rows leave (the last row moves into the freed slot) and new rows join."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from methods.core.batch_engine import BatchEngine
+from methods.core.engine import ModelEngine
+from specsim.tree import Tree
+
+ATOL = 1e-4
+TREES = [Tree.from_parents([-1, 0, 0, 1, 1, 2]), Tree.chain(3), Tree.chain(0), Tree.kary(2, 2)]
+
+
+def _alone(model, fast: bool, prompt: torch.Tensor, steps: list[tuple[torch.Tensor, Tree, tuple]]):
+    """Logits of each step's tree for one row decoded alone (the reference)."""
+    one = ModelEngine(model, fast=fast)
+    one.prefill(prompt[:-1])
+    outs = []
+    for tokens, tree, path in steps:
+        outs.append(one.forward_tree(tokens, tree).logits)
+        one.commit(path)
+    return outs
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["lean", "hf"])
+def test_batch_forward_equals_rows_alone(tiny_target, fast):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (5, 13, 1, 9)]
+    eng = BatchEngine(tiny_target, max_rows=4, capacity=16, fast=fast)  # small: the buffers must grow
+    assert (eng.fast is not None) == fast
+    eng.add(4)
+    eng.prefill([p[:-1] for p in prompts])
+    history = [[] for _ in prompts]
+    roots = [p[-1] for p in prompts]
+    for step in range(3):
+        trees = TREES[step:] + TREES[:step]  # every row gets every shape, several at once
+        n = max(t.size for t in trees)
+        tokens = torch.randint(0, 300, (4, n), generator=g)
+        tokens[:, 0] = torch.stack(roots)
+        out = eng.forward_trees(tokens, trees)
+        assert out.logits.shape == (4, n, tiny_target.config.vocab_size)
+        paths = [t.path_to(int(torch.randint(0, t.size, (1,), generator=g))) for t in trees]
+        for b, (tree, path) in enumerate(zip(trees, paths)):
+            history[b].append((tokens[b, : tree.size], tree, path, out.logits[b, : tree.size]))
+            roots[b] = tokens[b, path[-1]]  # any token: the next root
+        eng.commit(paths)
+    for b, prompt in enumerate(prompts):
+        ref = _alone(tiny_target, fast, prompt, [h[:3] for h in history[b]])
+        for (*_, got), want in zip(history[b], ref):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert eng.lengths[b] == prompt.numel() - 1 + sum(len(h[2]) for h in history[b])
+
+
+def test_rows_leave_and_join(tiny_target):
+    """remove() moves the last row into the freed slot; a joining row is prefilled alone; AR steps after
+    that match each sequence decoded alone."""
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 300, (n,), generator=g) for n in (7, 4, 11)]
+    eng = BatchEngine(tiny_target, max_rows=3)
+    eng.add(3)
+    eng.prefill([s[:-1] for s in seqs])
+    eng.remove(0)  # row 2 moves to slot 0
+    seqs = [seqs[2], seqs[1]]
+    new = torch.randint(0, 300, (6,), generator=g)
+    slot = eng.add()
+    assert slot == 2
+    eng.prefill([new[:-1]], rows=slice(2, 3))
+    seqs.append(new)
+    assert eng.lengths == [s.numel() - 1 for s in seqs]
+    for _ in range(2):
+        roots = torch.stack([s[-1] for s in seqs])[:, None]
+        out = eng.forward_trees(roots, [Tree.chain(0)])
+        eng.commit_counts([1, 1, 1])
+        nxt = out.logits[:, 0].argmax(-1)
+        for b, s in enumerate(seqs):
+            with torch.no_grad():
+                ref = tiny_target(s[None]).logits[0, -1]
+            torch.testing.assert_close(out.logits[b, 0], ref, atol=ATOL, rtol=0)
+        seqs = [torch.cat([s, nxt[b : b + 1]]) for b, s in enumerate(seqs)]
+
+
+def test_capacity_and_context_errors(tiny_target):
+    eng = BatchEngine(tiny_target, max_rows=1)
+    eng.add()
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        eng.prefill([torch.zeros(tiny_target.config.max_position_embeddings + 1, dtype=torch.long)])
+    with pytest.raises(AssertionError, match="exceed max_rows"):
+        eng.add()
