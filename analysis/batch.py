@@ -60,7 +60,8 @@ def speedup_vs_batch(df: pd.DataFrame, methods: Sequence[str] | None = None,
     means ± sd (markers), the predicted curve (lines: ``prediction`` if given, else the runs' own
     batch-aware predictions), predicted B* (dashed vertical) and measured B* (dotted), 1× dashed.
     Right: tokens/s of batched autoregressive decoding (every run measures it) against B, with the cost
-    model's B / t(B, 1) where known (``ar_tokens_per_s``)."""
+    model's B / t(B, 1) where known (``ar_tokens_per_s``; ``roofline_ar_tokens_per_s`` in ``prediction``:
+    the hardware preset's uncalibrated roofline as well)."""
     table = batch_table(df, batch)
     spec = [m for m in table["method"].unique() if m != NO_DRAFTER]
     methods = [m for m in (methods or spec) if m in spec]
@@ -127,6 +128,10 @@ def _throughput(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, 
         model = table.groupby(batch)["ar_tokens_per_s"].mean()
     if model is not None:
         ax.plot(model.index, model.values, "--", color="tab:red", label="cost model B / t(B, 1)")
+    if prediction is not None and "roofline_ar_tokens_per_s" in prediction:
+        p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction
+        roof = p.groupby(batch)["roofline_ar_tokens_per_s"].first()
+        ax.plot(roof.index, roof.values, ":", color="tab:purple", label="datasheet roofline B / t(B, 1)")
     ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s",
            title="batched autoregressive throughput")
     ax.xaxis.set_major_formatter("{x:g}")

@@ -23,6 +23,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specsim import batch  # noqa: E402
+from specsim.cost import ModelShape  # noqa: E402
 
 GPU_METHODS = [  # (label, overrides)
     ("vanilla (draft ρ=0.1)", ["method=vanilla"]),
@@ -78,11 +79,14 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
         raise SystemExit(f"no {'device profile' if profile is None else 't(B, n) fit'} for {method} on this "
                          "CPU: run `run.py task=calibrate method=...` / benchmarks/batch_cost.py first")
     mcfg, cost, tree = apply_profile(cfg, profile), to_measured_cost(profile), run_tree(cfg)
+    roof = batch.BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model),
+                                           cfg.workload.context_tokens)
     rows = []
     for b in batch.BATCHES:
         p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1))
         rows.append({"method": method, "batch_size": b, "predicted_speedup": p.predicted_speedup,
                      "predicted_tau": p.predicted_tau, "ar_tokens_per_s": p.ar_tokens_per_s,
+                     "roofline_ar_tokens_per_s": b / float(roof.time(b, 1)),
                      "break_even_batch": p.break_even_batch if b == 1 else None})
     out = pd.DataFrame(rows)
     out["break_even_batch"] = out["break_even_batch"].iloc[0]

@@ -90,11 +90,14 @@ def test_speedup_vs_batch_draws_measured_predicted_and_both_break_evens(tmp_path
 def test_speedup_vs_batch_takes_a_prediction_frame(tmp_path):
     df = load(build_batch_sweep(tmp_path, with_predictions=False))
     pred = pd.DataFrame({"batch_size": BATCHES, "predicted_speedup": [2, 1.8, 1.4, 1.0, 0.7, 0.5],
-                         "break_even_batch": 8.0, "ar_tokens_per_s": [100 * b for b in BATCHES]})
+                         "break_even_batch": 8.0, "ar_tokens_per_s": [100 * b for b in BATCHES],
+                         "roofline_ar_tokens_per_s": [900 * b for b in BATCHES]})
     left, right = speedup_vs_batch(df, prediction=pred).axes
     assert "vanilla predicted B* = 8.0" in _vlines(left)
     model = next(line for line in right.get_lines() if line.get_label().startswith("cost model"))
     np.testing.assert_allclose(model.get_ydata(), [100 * b for b in BATCHES])
+    roof = next(line for line in right.get_lines() if line.get_label().startswith("datasheet roofline"))
+    np.testing.assert_allclose(roof.get_ydata(), [900 * b for b in BATCHES])
 
 
 def test_speedup_vs_batch_draws_a_one_sequence_prediction_at_batch_one_only(tmp_path):
