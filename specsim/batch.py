@@ -173,16 +173,18 @@ class AtBatch:
 @dataclass(frozen=True)
 class Anchored:
     """A measured single-row t(n) (the device profile: the loop's own step, verification included) grown
-    with B as a measured fit grows: t(B, n) = t_profile(n) + fit(B, n) − fit(1, n). At B = 1 it is the
-    profile; the growth is the forward's (a batched loop adds no per-row work outside the forward)."""
+    with B as a measured fit grows: t(B, n) = t_profile(n) · fit(B, n) / fit(1, n). At B = 1 it is the
+    profile. A ratio, like the profile's own costs (ratios of t(1) from interleaved rounds): a fit timed
+    on a busier machine than the profile moves every cell alike, which a ratio cancels and a difference
+    would not."""
 
     base: TargetCost
     fit: BatchFit
     source: str = "measured"
 
     def time(self, batch: Any, n: Any) -> float | np.ndarray:
-        extra = np.asarray(self.fit.time(batch, n)) - np.asarray(self.fit.time(1, n))
-        t = np.asarray(self.base.time(np.asarray(n))) + extra
+        grow = np.asarray(self.fit.time(batch, n)) / np.asarray(self.fit.time(1, n))
+        t = np.asarray(self.base.time(np.asarray(n))) * grow
         return float(t) if np.ndim(t) == 0 else t
 
 
@@ -200,7 +202,7 @@ class BatchCostModel:
                     draft_fit: BatchFit | None = None) -> BatchCostModel:
         """The roofline of hardware × model at B rows, or — with a measured ``profile`` t(n) and this
         device's ``fit`` — the profile grown with B (:class:`Anchored`). A measured profile without a fit
-        falls back to the roofline's growth (t_profile(n) + roofline(B, n) − roofline(1, n))."""
+        falls back to the roofline's growth (t_profile(n) · roofline(B, n) / roofline(1, n))."""
         single = CostModel.from_config(cfg, profile)
         context = cfg.workload.context_tokens
         roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), context)

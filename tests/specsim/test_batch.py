@@ -1,5 +1,7 @@
 """The batch cost model t(B, n), the speedup at batch B and the break-even batch B* (specsim.batch)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -90,7 +92,9 @@ def test_anchored_profile_is_the_profile_at_batch_one_and_grows_with_the_fit():
     cost = Anchored(profile, fit)
     n = np.array([1, 4, 16])
     np.testing.assert_allclose(cost.time(1, n), profile.time(n))
-    np.testing.assert_allclose(cost.time(8, n) - cost.time(1, n), fit.time(8, n) - fit.time(1, n))
+    np.testing.assert_allclose(cost.time(8, n) / cost.time(1, n), fit.time(8, n) / fit.time(1, n))
+    slower = dataclasses.replace(fit, t0=3 * fit.t0, w=3 * fit.w, tok=3 * fit.tok)  # a busier machine
+    np.testing.assert_allclose(Anchored(profile, slower).time(8, n), cost.time(8, n))
 
 
 def test_first_loss_interpolates_in_log_batch():
