@@ -93,7 +93,7 @@ def test_anchored_profile_is_the_profile_at_batch_one_and_grows_with_the_fit():
     n = np.array([1, 4, 16])
     np.testing.assert_allclose(cost.time(1, n), profile.time(n))
     np.testing.assert_allclose(cost.time(8, n) / cost.time(1, n), fit.time(8, n) / fit.time(1, n))
-    slower = dataclasses.replace(fit, t0=3 * fit.t0, w=3 * fit.w, tok=3 * fit.tok)  # a busier machine
+    slower = dataclasses.replace(fit, t0=3 * fit.t0, w=3 * fit.w, kv=3 * fit.kv, tok=3 * fit.tok)  # busier
     np.testing.assert_allclose(Anchored(profile, slower).time(8, n), cost.time(8, n))
 
 
