@@ -113,8 +113,10 @@ def compare(sweep: str, prediction: pd.DataFrame, plot: str | None) -> None:
                   f"{p['predicted_speedup'] if p is not None else float('nan'):.3f}   "
                   f"{row['baseline_tokens_per_s']:8.1f}  "
                   f"{p['ar_tokens_per_s'] if p is not None else float('nan'):8.1f}")
-        print(f"  B* measured {_fmt_b(measured_break_even(table, method))}, predicted "
-              f"{_fmt_b(prediction['break_even_batch'].iloc[0])}")
+        measured = measured_break_even(table, method)
+        top = int(sub.index.max())
+        reached = f"{measured:.1f}" if measured is not None else f"not reached up to B = {top}"
+        print(f"  B* measured {reached}, predicted {_fmt_b(prediction['break_even_batch'].iloc[0])}")
     if plot:
         paths = save(speedup_vs_batch(df, prediction=prediction), plot)
         print("figure:", ", ".join(map(str, paths)))
