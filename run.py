@@ -291,6 +291,11 @@ def execute(cfg: RunConfig, out_dir: Path) -> TaskResult:
         from specsim.predict import simulate
 
         prediction = simulate(cfg).to_dict()
+        if cfg.workload.batch_size > 1:  # the batched step: speedup at B, B*, the curve over B
+            from specsim.batch import batch_metrics
+
+            single = {f"{k}_batch1": prediction[k] for k in ("predicted_tau", "predicted_speedup")}
+            prediction.update({**single, **batch_metrics(cfg)})
         return TaskResult(prediction, None, _prediction_lines(prediction))
     if cfg.task == Task.measure:
         if cfg.engine.name == "vllm":
@@ -355,7 +360,8 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
         f"tree: {p.get('tree_size', '?')} tokens incl. root, depth {p.get('tree_depth', '?')}",
         f"predicted tau (tokens per target forward): {_fmt(p.get('predicted_tau'), '.3f')}",
         f"predicted speedup over autoregressive: {_fmt(p.get('predicted_speedup'), '.2f')}x",
-    ]
+    ] + ([f"at batch {p['batch_size']} (speedup of the batched step); break-even batch B*: "
+          f"{_fmt(p.get('break_even_batch'), '.1f')}"] if p.get("batch_size", 1) > 1 else [])
 
 
 def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:

@@ -73,8 +73,22 @@ class SequoiaTable:
 def solve(acceptance_vector: Sequence[float] | np.ndarray, max_budget: int, max_levels: int,
           dtype: type = np.float32) -> SequoiaTable:
     """Fill T for m <= max_budget, l <= max_levels. T[m] depends only on rows y < m, so each m is one
-    vectorised max over (y, l, b): O(B² · L · W) work in B NumPy calls."""
+    vectorised max over (y, l, b): O(B² · L · W) work in B NumPy calls. The last few tables are kept (the
+    batch simulator re-selects a tree at many batch sizes for one vector); callers never write to them."""
     p = _ranks(acceptance_vector, dtype)
+    key = (p.tobytes(), np.dtype(dtype).str, int(max_budget), int(max_levels))
+    if key not in _SOLVED:
+        while len(_SOLVED) >= _KEEP_SOLVED:
+            _SOLVED.pop(next(iter(_SOLVED)))
+        _SOLVED[key] = _solve(p, max_budget, max_levels, dtype)
+    return _SOLVED[key]
+
+
+_SOLVED: dict[tuple, SequoiaTable] = {}
+_KEEP_SOLVED = 8
+
+
+def _solve(p: np.ndarray, max_budget: int, max_levels: int, dtype: type) -> SequoiaTable:
     W, B, L = len(p) - 1, max_budget, max_levels
     assert B >= 1 and L >= 1, "need max_budget >= 1 and max_levels >= 1"
     T = np.full((B + 1, L + 1, W + 1), -np.inf, dtype=dtype)

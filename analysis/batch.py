@@ -1,0 +1,138 @@
+"""Speculative decoding against batch size (issue 16): the speedup of each method over batched autoregressive
+decoding at each B, measured and predicted, with the break-even batch B* drawn; and the tokens/s of batched
+autoregressive decoding next to the cost model's (specsim.batch: t(B, 1) of the roofline or the fit).
+
+A sweep ``python run.py -m method=autoregressive,vanilla workload.batch_size=1,2,4,8,16,32`` loaded with
+``analysis.load`` is the input: one row per run with ``workload.batch_size``, the measured ``speedup`` and
+``baseline_tokens_per_s`` (the batched autoregressive side of the same run), and, where the run has them,
+the batch-aware prediction (``predicted_speedup`` at the run's B when ``prediction_batch_size`` is the batch,
+``break_even_batch``, ``ar_tokens_per_s``). A predicted curve can also be passed in (``prediction``: a frame
+of batch_size, predicted_speedup[, method, ar_tokens_per_s, break_even_batch] from specsim.batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from analysis.tables import ok_runs
+from specsim.batch import first_loss
+
+BATCH = "workload.batch_size"
+NO_DRAFTER = "autoregressive"
+
+
+def batch_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
+    """Per method × B over the finished runs: mean and sd of the measured speedup, mean measured tokens/s
+    of both sides, and the run's own batch-aware prediction where it has one (NaN otherwise)."""
+    data = ok_runs(df).copy()
+    if batch not in data.columns:
+        raise ValueError(f"no column {batch!r}: not a batch sweep")
+    data[batch] = pd.to_numeric(data[batch], errors="coerce")
+    pred = pd.to_numeric(data.get("predicted_speedup"), errors="coerce")
+    at_b = pd.to_numeric(data.get("prediction_batch_size", pd.Series(np.nan, index=data.index)),
+                         errors="coerce")
+    data["predicted_at_batch"] = pred.where(at_b == data[batch])  # a one-sequence prediction is not S(B)
+    cols = {"speedup": ["mean", "std"], "tokens_per_s": ["mean"], "baseline_tokens_per_s": ["mean"],
+            "predicted_at_batch": ["mean"], "break_even_batch": ["median"], "ar_tokens_per_s": ["mean"]}
+    cols = {k: v for k, v in cols.items() if k in data.columns}
+    for k in cols:
+        data[k] = pd.to_numeric(data[k], errors="coerce")
+    out = data.groupby(["method", batch]).agg(cols)
+    out.columns = [f"{k}_{a}" if a in ("std", "median") else k for k, a in out.columns]
+    return out.reset_index().sort_values(["method", batch])
+
+
+def measured_break_even(table: pd.DataFrame, method: str, batch: str = BATCH) -> float | None:
+    """B* of the measured means (first crossing of 1 going down, interpolated in log B; None: never)."""
+    sub = table[table["method"] == method].dropna(subset=["speedup"])
+    return first_loss(sub["speedup"].tolist(), sub[batch].astype(int).tolist()) if len(sub) else None
+
+
+def speedup_vs_batch(df: pd.DataFrame, methods: Sequence[str] | None = None,
+                     prediction: pd.DataFrame | None = None, batch: str = BATCH) -> Figure:
+    """Two panels. Left: speedup over batched autoregressive decoding against B (log2 axis), measured
+    means ± sd (markers), the predicted curve (lines: ``prediction`` if given, else the runs' own
+    batch-aware predictions), predicted B* (dashed vertical) and measured B* (dotted), 1× dashed.
+    Right: tokens/s of batched autoregressive decoding (every run measures it) against B, with the cost
+    model's B / t(B, 1) where known (``ar_tokens_per_s``; ``roofline_ar_tokens_per_s`` in ``prediction``:
+    the hardware preset's uncalibrated roofline as well)."""
+    table = batch_table(df, batch)
+    spec = [m for m in table["method"].unique() if m != NO_DRAFTER]
+    methods = [m for m in (methods or spec) if m in spec]
+    if not methods:
+        raise ValueError("no speculative method with finished runs in this frame")
+    palette = dict(zip(methods, sns.color_palette(n_colors=len(methods))))
+    with sns.axes_style("whitegrid"):
+        fig = Figure(figsize=(10.5, 4.0), layout="constrained")
+        left, right = fig.subplots(1, 2)
+        for m in methods:
+            _speedup(left, table, prediction, m, palette[m], batch)
+        left.axhline(1.0, color="0.3", lw=1, ls="--", zorder=0)
+        left.set(xscale="log", xlabel="batch size B", ylabel="speedup over batched autoregressive",
+                 title="speculative vs autoregressive at batch B")
+        left.xaxis.set_major_formatter("{x:g}")
+        left.legend(fontsize="small")
+        _throughput(right, table, prediction, batch)
+    return fig
+
+
+def _speedup(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, method: str, color,
+             batch: str) -> None:
+    sub = table[table["method"] == method]
+    ax.errorbar(sub[batch], sub["speedup"], yerr=sub.get("speedup_std"), fmt="o", color=color, capsize=3,
+                label=f"{method} measured")
+    pred = _prediction_for(prediction, method, batch) if prediction is not None else _own(sub, batch)
+    if pred is not None and len(pred):
+        ax.plot(pred[batch], pred["predicted_speedup"], "-", color=color, label=f"{method} predicted")
+        b_star = pd.to_numeric(pred["break_even_batch"], errors="coerce").dropna() if (
+            "break_even_batch" in pred) else pd.Series(dtype=float)
+        if len(b_star):
+            ax.axvline(float(b_star.median()), color=color, ls="--", lw=1,
+                       label=f"{method} predicted B* = {float(b_star.median()):.1f}")
+    measured = measured_break_even(table, method, batch)
+    if measured is not None:
+        ax.axvline(measured, color=color, ls=":", lw=1.5, label=f"{method} measured B* = {measured:.1f}")
+
+
+def _own(sub: pd.DataFrame, batch: str) -> pd.DataFrame | None:
+    """The runs' own batch-aware predictions as a curve (None when no run has one)."""
+    if "predicted_at_batch" not in sub or not sub["predicted_at_batch"].notna().any():
+        return None
+    cols = {"predicted_at_batch": "predicted_speedup", "break_even_batch_median": "break_even_batch"}
+    keep = [batch, *(c for c in cols if c in sub)]
+    return sub[keep].rename(columns=cols).dropna(subset=["predicted_speedup"])
+
+
+def _prediction_for(prediction: pd.DataFrame, method: str, batch: str) -> pd.DataFrame | None:
+    p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction
+    if "method" in p.columns:
+        p = p[p["method"] == method]
+    return p.sort_values(batch) if len(p) else None
+
+
+def _throughput(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, batch: str) -> None:
+    if "baseline_tokens_per_s" in table:
+        ar = table.groupby(batch)["baseline_tokens_per_s"].mean()
+        ax.plot(ar.index, ar.values, "o-", color="0.2", label="batched AR, measured")
+    model = None
+    if prediction is not None and "ar_tokens_per_s" in prediction:
+        p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction
+        model = p.groupby(batch)["ar_tokens_per_s"].first()
+    elif "ar_tokens_per_s" in table and table["ar_tokens_per_s"].notna().any():
+        model = table.groupby(batch)["ar_tokens_per_s"].mean()
+    if model is not None:
+        ax.plot(model.index, model.values, "--", color="tab:red", label="cost model B / t(B, 1)")
+    if prediction is not None and "roofline_ar_tokens_per_s" in prediction:
+        p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction
+        roof = p.groupby(batch)["roofline_ar_tokens_per_s"].first()
+        ax.plot(roof.index, roof.values, ":", color="tab:purple", label="datasheet roofline B / t(B, 1)")
+    ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s",
+           title="batched autoregressive throughput")
+    ax.xaxis.set_major_formatter("{x:g}")
+    ax.legend(fontsize="small")

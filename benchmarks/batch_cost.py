@@ -1,0 +1,132 @@
+"""Calibrate and validate the batch cost model t(B, n) (specsim.batch) on this machine.
+
+Times the target's forward over B rows × n tokens after a KV cache of each ``--contexts`` length
+(methods.measurement.batch_cost.time_grid), fits specsim.batch.BatchFit to all of it, stores the fit next
+to the device profiles (the measure path and the simulator read it from there), and prints predicted vs
+measured t(B, n) with the relative error (median, max) of: the fit (in sample), the fit at a context it
+did not see (leave one context out, when two or more were timed), and the hardware preset's uncalibrated
+roofline.
+
+    python benchmarks/batch_cost.py                                  # zoo target, bf16, 1 thread
+    python benchmarks/batch_cost.py --contexts 160 512 --reps 5 --json out.json
+    python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
+
+Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specsim.batch import BatchFit, BatchRoofline, fit_batch_cost  # noqa: E402
+from specsim.cost import ModelShape  # noqa: E402
+
+Grid = dict[tuple[int, int, int], float]  # (B, n, context) → seconds
+
+
+def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
+    import torch
+
+    from methods.measurement.batch_cost import time_grid
+    from methods.models import load_models
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    stat = {"median": statistics.median, "min": min}[args.stat]
+    grid = time_grid(models.target, args.batches, args.sizes, args.contexts, args.reps, stat=stat)
+    return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat}
+
+
+def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
+    e = np.abs(pred / meas - 1)
+    return float(np.median(e)), float(e.max())
+
+
+def report(grid: Grid, args: argparse.Namespace) -> BatchFit:
+    from run import compose_run_config
+
+    keys = sorted(grid)
+    b, n, c = (np.array([k[i] for k in keys], float) for i in range(3))
+    t = np.array([grid[k] for k in keys])
+    ref_ctx = min(args.contexts)
+    fit = fit_batch_cost(grid, ref_ctx)
+    pred = fit.time(b, n, c)
+    print(f"\nfit ({fit.form}): t0 {fit.t0 * 1e3:.3f} ms, w {fit.w * 1e3:.3f} ms, "
+          f"kv {fit.kv * 1e9:.3f} ns/(row·tok), tok {fit.tok * 1e6:.2f} us/tok, "
+          f"att {fit.att * 1e9:.4f} ns/(tok·pos)")
+    print(f"{'B':>3} {'n':>3} {'ctx':>4} {'measured ms':>12} {'fit ms':>9} {'err':>7}")
+    for k, tm, tp in zip(keys, t, pred):
+        print(f"{k[0]:3d} {k[1]:3d} {k[2]:4d} {tm * 1e3:12.2f} {tp * 1e3:9.2f} {tp / tm - 1:+7.1%}")
+    rows = [("fit, in sample", *errors(pred, t))]
+    contexts = sorted(set(int(x) for x in c))
+    for held in contexts if len(contexts) > 1 else []:
+        train = {k: v for k, v in grid.items() if k[2] != held}
+        f = fit_batch_cost(train, min(k[2] for k in train))
+        m = c == held
+        rows.append((f"fit without context {held}, at {held}", *errors(f.time(b[m], n[m], c[m]), t[m])))
+    cfg = compose_run_config(f"model={args.model}", "hardware=cpu")
+    for ctx in contexts:
+        roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), ctx)
+        m = c == ctx
+        rows.append((f"cpu roofline (datasheet), context {ctx}", *errors(roof.time(b[m], n[m]), t[m])))
+    print(f"\n{'t(B, n) prediction':45s} {'median err':>10} {'max err':>8}   ({len(t)} points)")
+    for name, med, mx in rows:
+        print(f"{name:45s} {med:10.1%} {mx:8.1%}")
+    return fit
+
+
+def store(fit: BatchFit, grid: Grid, args: argparse.Namespace) -> None:
+    import torch
+
+    from methods.measurement.batch_cost import batch_profile_path, save_batch_fit
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
+                             "device=cpu")
+    path = save_batch_fit(fit, batch_profile_path(cfg), grid)
+    print(f"\nstored: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="zoo")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[160, 512])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="of each cell's timed forwards (min: what a quiet machine would read)")
+    ap.add_argument("--json", help="write the timed grid here")
+    ap.add_argument("--from-json", help="read a timed grid instead of timing")
+    ap.add_argument("--no-store", action="store_true", help="do not store the fit in the profile cache")
+    args = ap.parse_args()
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        grid = {(int(b), int(n), int(c)): float(t) for b, n, c, t in doc["grid"]}
+        args.contexts = sorted({k[2] for k in grid})
+        args.model, args.dtype, args.threads = doc["model"], doc["dtype"], doc["threads"]
+    else:
+        grid, meta = measure(args)
+        if args.json:
+            rows = [[*k, v] for k, v in sorted(grid.items())]
+            Path(args.json).write_text(json.dumps({**meta, "grid": rows}))
+    fit = report(grid, args)
+    if not args.no_store:
+        store(fit, grid, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""Speculative decoding at batch size B: the verify forward's cost t(B, n), the speedup at B and the
+break-even batch B* past which speculation loses.
+
+A batched step runs B rows (sequences) through one target p forward of n tokens each (the tree, padded to
+the batch's largest). Its roofline (Sequoia, Chen et al. 2024, extended to rows as in MagicDec, Chen et al.
+2024b, and SmartSpec, Liu et al. 2024):
+
+    t(B, n) = overhead + max(memory, compute, PCIe)
+    memory  = (weight bytes + B · KV bytes per token · context) / bandwidth   weights read once per forward,
+                                                                             every row reads its own KV
+    compute = B · (2 · params · n + 4 · layers · hidden · n · (context + n)) / FLOP/s
+
+At B = 1 this is specsim.cost.Roofline's t(n) exactly. Small B·n is memory-bound (t flat in n: drafts are
+nearly free); past the ridge B·n ≈ bandwidth-to-FLOP ratio the forward is compute-bound and every drafted
+token costs what an autoregressive token does, so speculation's gain τ shrinks to τ / n-ish and turns into
+a loss. The measured variant (:class:`BatchFit`) fits the same five physical terms to a timed grid:
+
+    t(B, n) = t0 + max(w + kv · B · context, tok · B · n + att · B · n · (context + n))   (form "max")
+    or the sum of the two parts (form "sum": a CPU overlaps memory and compute little).
+
+Speedup per row at batch B: S(B) = τ · t(B, 1) / (t_draft(B) + t(B, n)) (the batched autoregressive step
+over the batched speculative step; τ = k̄ per row, bonus included). B* = the smallest B with S(B) < 1.
+Draft cost at B: the draft model's own batched roofline (``method.draft_cost=roofline``), a measured draft
+fit, or — for costs given as ratios of t(1) — growing as the target's t(B, 1) does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from specsim.config import HardwareConfig, RunConfig
+from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
+
+BATCH_FIT_FORMAT = 1  # bump when BatchFit's fields or their meaning change
+BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
+MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
+
+
+class BatchCost(Protocol):
+    source: str
+
+    def time(self, batch: int | np.ndarray, n: int | np.ndarray) -> float | np.ndarray:
+        """Seconds of one forward over ``batch`` rows × ``n`` new tokens each."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchRoofline:
+    """t(B, n) from datasheet numbers (see the module docstring); the same fields as Roofline."""
+
+    model: ModelShape
+    bandwidth: float
+    flops: float
+    overhead_s: float
+    context_tokens: int = 0
+    pcie: float = 0.0
+    source: str = "roofline"
+
+    @classmethod
+    def from_roofline(cls, r: Roofline) -> BatchRoofline:
+        return cls(r.model, r.bandwidth, r.flops, r.overhead_s, r.context_tokens, r.pcie, r.source)
+
+    @classmethod
+    def from_config(cls, hw: HardwareConfig, model: ModelShape, context_tokens: int) -> BatchRoofline:
+        return cls.from_roofline(Roofline.from_config(hw, model, context_tokens))
+
+    def parts(self, batch: Any, n: Any) -> tuple[np.ndarray, np.ndarray, float]:
+        """(memory, compute, PCIe) seconds, broadcast over batch and n."""
+        b, n = np.asarray(batch, float), np.asarray(n, float)
+        m, ctx = self.model, self.context_tokens
+        memory = (m.weight_bytes + b * m.kv_bytes_per_token * ctx) / self.bandwidth
+        compute = b * (2.0 * m.params * n + 4.0 * m.n_layers * m.hidden_size * n * (ctx + n)) / self.flops
+        pcie = m.weight_bytes / self.pcie if self.pcie > 0 else 0.0
+        return memory, compute, pcie
+
+    def time(self, batch: Any, n: Any) -> float | np.ndarray:
+        memory, compute, pcie = self.parts(batch, n)
+        t = self.overhead_s + np.maximum(np.maximum(memory, compute), pcie)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def ridge_tokens(self) -> float:
+        """B·n where compute overtakes the weight reads (KV and attention aside): the batch-1 chain length
+        or the batch of 1-token rows past which the forward is compute-bound."""
+        return self.model.weight_bytes / self.bandwidth * self.flops / (2.0 * self.model.params)
+
+
+FIT_TERMS = ("t0", "w", "kv", "tok", "att")
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """t(B, n) fitted to a measured grid (seconds; see the module docstring for the forms)."""
+
+    t0: float  # fixed per forward (framework, launches)
+    w: float  # weight reads: once per forward
+    kv: float  # per row and cached token (KV reads)
+    tok: float  # per token of the forward (GEMMs: 2 · params FLOPs each)
+    att: float  # per token and attended position (attention FLOPs)
+    context_tokens: int
+    form: str = "max"  # max | sum
+    source: str = "measured"
+    rel_error_median: float = 0.0  # of the fit over the grid it was fitted to
+    rel_error_max: float = 0.0
+
+    def time(self, batch: Any, n: Any, context: int | None = None) -> float | np.ndarray:
+        b, n = np.asarray(batch, float), np.asarray(n, float)
+        ctx = np.asarray(self.context_tokens if context is None else context, float)
+        memory = self.w + self.kv * b * ctx
+        compute = self.tok * b * n + self.att * b * n * (ctx + n)
+        t = self.t0 + (np.maximum(memory, compute) if self.form == "max" else memory + compute)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> BatchFit:
+        return cls(**dict(doc))
+
+
+def _predict(params: np.ndarray, b: np.ndarray, n: np.ndarray, ctx: Any, form: str) -> np.ndarray:
+    return BatchFit(*params, context_tokens=0, form=form).time(b, n, ctx)
+
+
+def fit_batch_cost(grid: Mapping[tuple[int, ...], float], context: int,
+                   forms: Sequence[str] = ("max", "sum")) -> BatchFit:
+    """Least squares on log t (relative errors) over ``grid`` ((B, n) → seconds at ``context`` cached
+    tokens, or (B, n, context) → seconds for grids over several contexts), every term >= 0; the form with
+    the smaller median relative error is kept. The fit's ``context_tokens`` is ``context``. The w and kv
+    terms are told apart by B, tok and att by n and the context."""
+    from scipy.optimize import least_squares  # a dependency of specsim; imported where it is used
+
+    keys = sorted(grid)
+    assert len(keys) >= len(FIT_TERMS) + 1, f"need at least {len(FIT_TERMS) + 1} grid points"
+    b = np.array([k[0] for k in keys], float)
+    n = np.array([k[1] for k in keys], float)
+    ctx = np.array([k[2] if len(k) > 2 else context for k in keys], float)
+    t = np.array([grid[k] for k in keys], float)
+    assert (t > 0).all(), "measured times must be > 0"
+    t11 = float(t[np.argmin(b * n)])
+    best: BatchFit | None = None
+    for form in forms:
+        x0 = np.array([0.3 * t11, 0.5 * t11, 1e-9, t11 / 50, 1e-9])
+        res = least_squares(lambda p, f=form: np.log(_predict(p, b, n, ctx, f)) - np.log(t),
+                            x0, bounds=(0.0, np.inf), x_scale=np.maximum(x0, 1e-9))
+        err = np.abs(_predict(res.x, b, n, ctx, form) / t - 1)
+        fit = BatchFit(*(float(v) for v in res.x), context_tokens=int(context), form=form,
+                       rel_error_median=float(np.median(err)), rel_error_max=float(err.max()))
+        if best is None or fit.rel_error_median < best.rel_error_median:
+            best = fit
+    assert best is not None
+    return best
+
+
+# ---- a single-row cost model at batch B ----------------------------------------------------------------
+@dataclass(frozen=True)
+class AtBatch:
+    """t(n) of B rows: the TargetCost view of a BatchCost at a fixed B (specsim.cost prices trees with it)."""
+
+    cost: Any  # BatchCost
+    batch: int
+    source: str = ""
+
+    def time(self, n: Any) -> float | np.ndarray:
+        return self.cost.time(self.batch, n)
+
+
+@dataclass(frozen=True)
+class Anchored:
+    """A measured single-row t(n) (the device profile: the loop's own step, verification included) grown
+    with B as a measured fit grows: t(B, n) = t_profile(n) · fit(B, n) / fit(1, n). At B = 1 it is the
+    profile. A ratio, like the profile's own costs (ratios of t(1) from interleaved rounds): a fit timed
+    on a busier machine than the profile moves every cell alike, which a ratio cancels and a difference
+    would not."""
+
+    base: TargetCost
+    fit: BatchFit
+    source: str = "measured"
+
+    def time(self, batch: Any, n: Any) -> float | np.ndarray:
+        grow = np.asarray(self.fit.time(batch, n)) / np.asarray(self.fit.time(1, n))
+        t = np.asarray(self.base.time(np.asarray(n))) * grow
+        return float(t) if np.ndim(t) == 0 else t
+
+
+@dataclass(frozen=True)
+class BatchCostModel:
+    """A CostModel (the single-row one) and the batched target t(B, n); ``draft`` prices the draft model's
+    step at B (a BatchCost over B rows × w nodes of a level), None = as the target's t(B, 1) grows."""
+
+    single: CostModel
+    target: Any  # BatchCost
+    draft: Any = None  # BatchCost | None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
+                    draft_fit: BatchFit | None = None) -> BatchCostModel:
+        """The roofline of hardware × model at B rows, or — with a measured ``profile`` t(n) and this
+        device's ``fit`` — the profile grown with B (:class:`Anchored`). A measured profile without a fit
+        falls back to the roofline's growth (t_profile(n) · roofline(B, n) / roofline(1, n))."""
+        single = CostModel.from_config(cfg, profile)
+        context = cfg.workload.context_tokens
+        roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), context)
+        if profile is None:
+            target: Any = roof
+        else:
+            target = Anchored(profile, fit if fit is not None else _as_fit(roof))
+        draft: Any = draft_fit
+        if draft is None and single.draft.model is not None:  # draft_cost=roofline: its own rows too
+            draft = BatchRoofline.from_roofline(single.draft.model)
+        return cls(single, target, draft)
+
+    def at(self, batch: int) -> CostModel:
+        """The single-row CostModel whose t(n) is t(B, n) and whose draft step is priced at B rows."""
+        target = AtBatch(self.target, int(batch), getattr(self.target, "source", "batch"))
+        d = self.single.draft
+        if d.model is not None and isinstance(self.draft, BatchRoofline):
+            draft = replace(d, model=AtBatch(self.draft, int(batch), "roofline"))
+        else:  # ratios of t(1): rescale so that ratio · t(B, 1) = the draft step at B
+            t11, tb1 = float(self.target.time(1, 1)), float(self.target.time(batch, 1))
+            grow = tb1 / t11 if self.draft is None else (
+                float(self.draft.time(batch, 1)) / float(self.draft.time(1, 1)))
+            scale = grow * t11 / tb1
+            draft = replace(d, ratio=d.ratio * scale, fixed_ratio=d.fixed_ratio * scale)
+        return replace(self.single, target=target, draft=draft)
+
+
+def _as_fit(r: BatchRoofline) -> BatchFit:
+    """The roofline written as a BatchFit (form max), for growing a profile where no fit was measured."""
+    m, ctx = r.model, r.context_tokens
+    w = m.weight_bytes / r.bandwidth
+    kv = m.kv_bytes_per_token / r.bandwidth
+    tok = 2.0 * m.params / r.flops
+    att = 4.0 * m.n_layers * m.hidden_size / r.flops
+    return BatchFit(r.overhead_s, w, kv, tok, att, ctx, "max", "roofline")
+
+
+def batch_speedup(cost: BatchCostModel, tree: Any, tau: float, batch: int) -> float:
+    """S(B) = τ · t(B, 1) / (t_draft(B) + t(B, n)) for a fixed tree (the root alone: 1)."""
+    at = cost.at(batch)
+    return tau * at.ar_time / at.step_time(tree) if tree.depth > 0 else 1.0
+
+
+def first_loss(speedups: Sequence[float], batches: Sequence[int]) -> float | None:
+    """B* from S sampled at increasing ``batches``: where S crosses 1 going down, interpolated linearly in
+    log B between the last B with S >= 1 and the first with S < 1; None if S >= 1 everywhere. S < 1 at
+    the first B already: that B (speculation never pays)."""
+    for i, s in enumerate(speedups):
+        if s < 1.0:
+            if i == 0:
+                return float(batches[0])
+            lo, hi, s_lo, s_hi = batches[i - 1], batches[i], speedups[i - 1], s
+            frac = (s_lo - 1.0) / (s_lo - s_hi)
+            return float(math.exp(math.log(lo) + frac * (math.log(hi) - math.log(lo))))
+    return None
+
+
+# ---- predictions at batch B ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchPrediction:
+    """The simulator at batch B for one config: per-row τ and speedup of the batched speculative step over
+    the batched autoregressive step, the tree chosen at B (Sequoia / dynamic trees shrink with B), and B*."""
+
+    batch_size: int
+    predicted_tau: float  # per row, bonus included
+    predicted_speedup: float  # S(B) = τ · t(B, 1) / (t_draft(B) + t(B, n))
+    tree_size: int  # nodes per row at this B (root included)
+    t_step_s: float  # the batched speculative step
+    t_ar_s: float  # t(B, 1): the batched autoregressive step
+    ar_tokens_per_s: float  # B / t(B, 1)
+    spec_tokens_per_s: float  # B · τ / t_step
+    break_even_batch: float | None  # B*: None = speculation pays at every B searched
+    cost_source: str
+
+    def to_metrics(self, prefix: str = "") -> dict[str, Any]:
+        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+
+
+def _tree_at(cfg: RunConfig, acceptance: Any, cost: CostModel, tree: Any = None) -> Any:
+    """The tree a run uses at this cost model: ``tree`` when given, the root alone without a drafter,
+    else the preset's (Sequoia and dynamic trees are sized for this cost)."""
+    from specsim.predict import NO_DRAFTER
+    from specsim.tree import Tree
+    from specsim.trees import build_tree
+
+    if tree is not None:
+        return tree
+    if cfg.method.drafter == NO_DRAFTER:
+        return Tree.chain(0)
+    return build_tree(cfg.tree, acceptance, cost)
+
+
+def speedup_curve(cfg: RunConfig, batches: Sequence[int], cost: BatchCostModel | None = None,
+                  tree: Any = None) -> list[tuple[int, float, float, Any]]:
+    """(B, τ, S(B), tree) per B. Trees sized by the cost model (Sequoia, dynamic) are re-chosen at each B;
+    a fixed ``tree`` is priced as is."""
+    from specsim.acceptance import from_config
+    from specsim.expected import expected_tokens
+
+    model = from_config(cfg.method.acceptance)
+    cost = cost or BatchCostModel.from_config(cfg)
+    out = []
+    for b in batches:
+        at = cost.at(b)
+        t = _tree_at(cfg, model, at, tree)
+        tau = expected_tokens(t, model)
+        s = tau * at.ar_time / at.step_time(t) if t.depth > 0 else 1.0
+        out.append((int(b), float(tau), float(s), t))
+    return out
+
+
+def break_even_batch(cfg: RunConfig, cost: BatchCostModel | None = None, tree: Any = None,
+                     max_batch: int = MAX_SEARCH_BATCH) -> float | None:
+    """B*: the smallest batch at which the method's speculative step loses to autoregressive decoding
+    (S(B) < 1), interpolated in log B between the integers around it; None if S >= 1 up to ``max_batch``
+    or the method drafts nothing. A tree the cost model sizes (Sequoia) shrinks to the root alone instead
+    of losing: its B* is where it stops speculating. S(B) is taken as decreasing in B: powers of two
+    bracket the crossing, bisection on integers narrows it."""
+    from specsim.predict import NO_DRAFTER
+
+    if cfg.method.drafter == NO_DRAFTER:
+        return None
+    cost = cost or BatchCostModel.from_config(cfg)
+
+    def s(b: int) -> float:
+        (_, _, sp, t), = speedup_curve(cfg, [b], cost, tree)
+        return sp if t.depth > 0 else 1.0 - 1e-12  # the root alone: speculation does not pay here
+
+    memo: dict[int, float] = {}
+    at = lambda b: memo[b] if b in memo else memo.setdefault(b, s(b))  # noqa: E731
+    powers = [2**i for i in range(int(math.log2(max_batch)) + 1)]
+    hi = next((b for b in powers if at(b) < 1.0), None)
+    if hi is None:
+        return None
+    if hi == 1:
+        return 1.0
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at(mid) >= 1.0 else (lo, mid)
+    return first_loss([at(lo), at(hi)], [lo, hi])
+
+
+def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
+                     tree: Any = None, batch_size: int | None = None, draft_fit: BatchFit | None = None,
+                     with_break_even: bool = True) -> BatchPrediction:
+    """The simulator's prediction at ``batch_size`` (default ``cfg.workload.batch_size``) for the measure
+    path: τ from ``cfg.method.acceptance`` (pass ``apply_profile(cfg, profile)``'s config for the measured
+    one), t(B, n) from the hardware roofline or — with a measured single-row ``profile`` t(n) — that
+    profile grown with B by this device's ``fit`` (methods.measurement.batch_cost.load_batch_fit; the
+    roofline's growth where None). ``tree``: the exact tree the run used (else the preset's, re-sized at
+    B). S(B) compares the batched speculative step with the batched autoregressive step of the same B."""
+    b = int(cfg.workload.batch_size if batch_size is None else batch_size)
+    cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit)
+    (_, tau, s, t), = speedup_curve(cfg, [b], cost, tree)
+    at = cost.at(b)
+    step = at.step_time(t)
+    b_star = break_even_batch(cfg, cost, tree) if with_break_even else None
+    return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
+                           at.target.source)
+
+
+def best_budget_by_batch(cfg: RunConfig, batches: Sequence[int] = BATCHES,
+                         cost: BatchCostModel | None = None) -> list[dict[str, Any]]:
+    """Sequoia's (or a dynamic tree's) optimal tree per sequence at each B: budget (nodes, root included),
+    levels, τ and S(B). Sequoia's hardware-aware selection over ``tree.budgets`` prices each budget with
+    t(B, budget) and the draft at B; a dynamic tree picks the best of ``tree.budgets`` (capped by its
+    total_tokens + 1) under its depth and top_k."""
+    from specsim.acceptance import from_config
+    from specsim.config import TreeKind
+    from specsim.expected import expected_tokens
+    from specsim.sequoia import optimal_tree
+    from specsim.trees import acceptance_vector, sequoia_choice
+
+    model = from_config(cfg.method.acceptance)
+    cost = cost or BatchCostModel.from_config(cfg)
+    kind = TreeKind(cfg.tree.kind)
+    assert kind in (TreeKind.sequoia, TreeKind.dynamic), f"tree.kind {kind.value}: sized by hand, not by B"
+    rows = []
+    for b in batches:
+        at = cost.at(b)
+        if kind == TreeKind.sequoia:
+            choice = sequoia_choice(cfg.tree, model, at)
+            trees = [choice.tree]
+        else:
+            k, d = cfg.tree.top_k, cfg.tree.depth
+            cap = d + 1 if k == 1 else (k ** (d + 1) - 1) // (k - 1)
+            sizes = sorted({min(int(x), cap, cfg.tree.total_tokens + 1) for x in cfg.tree.budgets})
+            vec = acceptance_vector(model, k)
+            trees = [optimal_tree(vec, m, d + 1).tree for m in sizes]
+        scored = [(expected_tokens(t, model) * at.ar_time / at.step_time(t) if t.depth > 0 else 1.0, t)
+                  for t in trees]
+        s, t = max(scored, key=lambda x: x[0])
+        rows.append({"batch_size": int(b), "budget": t.size, "levels": t.depth + 1,
+                     "tau": float(expected_tokens(t, model)), "speedup": float(s)})
+    return rows
+
+
+def batch_metrics(cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None
+                  ) -> dict[str, Any]:
+    """task=simulate's keys at workload.batch_size = B > 1: the prediction at B (``predicted_tau`` and
+    ``predicted_speedup``: run.py keeps the single-row ones as ``*_batch1``), B*, and the speedup
+    curve over :data:`BATCHES` (and, for Sequoia / dynamic trees, the budget chosen at each B)."""
+    from specsim.config import TreeKind
+    from specsim.predict import NO_DRAFTER
+
+    p = predict_at_batch(cfg, profile, fit)
+    cost = BatchCostModel.from_config(cfg, profile, fit)
+    curve = speedup_curve(cfg, BATCHES, cost)
+    out = p.to_metrics()
+    out["tree_size_at_batch"] = out.pop("tree_size")  # simulate's tree_size / tree_parents: the B = 1 tree
+    out.update(
+               speedup_by_batch={str(b): s for b, _, s, _ in curve},
+               tree_size_by_batch={str(b): t.size for b, _, _, t in curve})
+    sized = TreeKind(cfg.tree.kind) in (TreeKind.sequoia, TreeKind.dynamic)
+    if sized and cfg.method.drafter != NO_DRAFTER:
+        rows = best_budget_by_batch(cfg, BATCHES, cost)
+        out["budget_by_batch"] = {str(r["batch_size"]): r["budget"] for r in rows}
+    return out

@@ -1,0 +1,49 @@
+"""methods.measurement.batch_cost: t(B, n) timed on the batched engine, fitted, stored and read back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from methods.measurement import batch_cost
+from specsim.batch import BATCH_FIT_FORMAT, BatchFit
+
+
+def test_time_grid_times_every_cell_and_the_fit_round_trips(tiny_target, tmp_path, run_config):
+    # real timings of a tiny model: only that every cell has one, positive, is asserted
+    grid = batch_cost.time_grid(tiny_target, [1, 2, 3], [1, 2, 4], [8, 16], reps=1, warmup=0)
+    assert set(grid) == {(b, n, c) for b in (1, 2, 3) for n in (1, 2, 4) for c in (8, 16)}
+    assert all(t > 0 for t in grid.values())
+    cfg = run_config("model=micro", "threads=1", "device=cpu")
+    fit, got, path = batch_cost.calibrate_batch(cfg, tiny_target, [8, 16], [1, 2, 3], [1, 2, 4], reps=1,
+                                                warmup=0, cache=tmp_path)
+    assert path.parent == tmp_path / "profiles" and set(got) == set(grid)
+    assert batch_cost.load_batch_fit(cfg, tmp_path) == fit
+    assert fit.context_tokens == 8 and fit.rel_error_max >= fit.rel_error_median >= 0
+
+
+def test_the_fit_is_keyed_by_the_target_not_the_drafter(run_config, tmp_path):
+    a = run_config("model=micro", "method=vanilla", "threads=1", "device=cpu")
+    b = run_config("model=micro", "method=prompt_lookup", "workload=grounded", "threads=1", "device=cpu")
+    c = run_config("model=micro", "model.dtype=bfloat16", "threads=1", "device=cpu")
+    assert batch_cost.batch_key(a) == batch_cost.batch_key(b) != batch_cost.batch_key(c)
+
+
+def test_a_fit_of_another_format_is_not_read(run_config, tmp_path):
+    cfg = run_config("model=micro", "threads=1", "device=cpu")
+    fit = BatchFit(1e-3, 1e-3, 0.0, 1e-5, 0.0, 16)
+    path = batch_cost.save_batch_fit(fit, batch_cost.batch_profile_path(cfg, tmp_path), {(1, 1, 16): 2e-3})
+    assert batch_cost.load_batch_fit(cfg, tmp_path) == fit
+    doc = path.read_text().replace(f'"format": {BATCH_FIT_FORMAT}', f'"format": {BATCH_FIT_FORMAT + 1}')
+    path.write_text(doc)
+    assert batch_cost.load_batch_fit(cfg, tmp_path) is None
+    path.write_text("{not json")
+    assert batch_cost.load_batch_fit(cfg, tmp_path) is None
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(BatchFit)][:5])
+def test_every_fit_term_is_a_physical_time(field):
+    fit = BatchFit(1e-3, 2e-3, 1e-8, 1e-5, 1e-9, 100, form="sum")
+    bigger = dataclasses.replace(fit, **{field: getattr(fit, field) * 2})
+    assert bigger.time(4, 8) > fit.time(4, 8)  # each of the five terms adds time

@@ -1,0 +1,187 @@
+"""The batch cost model t(B, n), the speedup at batch B and the break-even batch B* (specsim.batch)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specsim import batch
+from specsim.batch import Anchored, BatchCostModel, BatchFit, BatchRoofline, first_loss, fit_batch_cost
+from specsim.cost import MeasuredCost, ModelShape, Roofline
+from specsim.predict import simulate
+from specsim.tree import Tree
+
+HARDWARE = ["a100", "h100", "cpu", "l40_offload"]
+
+
+@pytest.fixture
+def seven_b(run_config):
+    """run_config(method, *overrides) on Llama-2-7B's shape."""
+    return lambda *o: run_config("model=llama2_7b", *o)
+
+
+@pytest.mark.parametrize("hw", HARDWARE)
+def test_batch_one_is_the_single_row_roofline(run_config, hw):
+    cfg = run_config(f"hardware={hw}", "model=llama2_7b", "workload.context_tokens=1000")
+    shape, ctx = ModelShape.target(cfg.model), cfg.workload.context_tokens
+    single, batched = Roofline.from_config(cfg.hardware, shape, ctx), BatchRoofline.from_config(
+        cfg.hardware, shape, ctx)
+    n = np.array([1, 2, 7, 64, 512])
+    np.testing.assert_allclose(batched.time(1, n), single.time(n), rtol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 512), n=st.integers(1, 256), ctx=st.integers(0, 4096))
+def test_roofline_grows_with_rows_tokens_and_context(b, n, ctx):
+    from specsim.config import HardwareConfig, ModelConfig
+
+    shape = ModelShape.target(ModelConfig(params=6.7e9, n_layers=32, hidden_size=4096, n_heads=32,
+                                          n_kv_heads=32))
+    r = BatchRoofline.from_config(HardwareConfig(memory_bandwidth_gbs=2039, peak_tflops=312), shape, ctx)
+    t = r.time(b, n)
+    assert r.time(b + 1, n) >= t and r.time(b, n + 1) >= t
+    longer = BatchRoofline.from_config(HardwareConfig(memory_bandwidth_gbs=2039, peak_tflops=312), shape,
+                                       ctx + 100)
+    assert longer.time(b, n) >= t
+
+
+def test_small_batches_ride_the_weight_reads_large_ones_are_compute_bound(seven_b):
+    cfg = seven_b("hardware=a100", "workload.context_tokens=0")
+    r = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), 0)
+    assert r.time(4, 4) == r.time(1, 1)  # 16 tokens: memory-bound, as free as one
+    ridge = r.ridge_tokens()
+    assert 50 < ridge < 1000  # A100: ~100 FLOP per byte at 2 bytes per parameter
+    big = 64 * ridge
+    memory, compute, _ = r.parts(big, 1)
+    assert compute > 10 * memory
+    assert r.time(2 * big, 1) / r.time(big, 1) == pytest.approx(2.0, rel=0.01)  # linear in B·n
+
+
+def test_kv_reads_grow_with_rows_times_context(seven_b):
+    cfg = seven_b("hardware=h100")
+    shape = ModelShape.target(cfg.model)
+    short = BatchRoofline.from_config(cfg.hardware, shape, 128)
+    long = BatchRoofline.from_config(cfg.hardware, shape, 2048)  # 1 GB of KV per row (no GQA)
+    assert long.time(1, 1) / short.time(1, 1) < 1.2  # one row: the weights dominate
+    assert long.time(64, 1) / short.time(64, 1) > 3  # 64 rows: 64 GB of KV against 13.5 of weights
+
+
+def test_batch_fit_recovers_its_own_form():
+    truth = BatchFit(t0=1e-3, w=2e-3, kv=3e-8, tok=2e-4, att=1e-7, context_tokens=160, form="sum")
+    grid = {(b, n, c): float(truth.time(b, n, c)) for b in (1, 2, 4, 8, 16, 32) for n in (1, 4, 16, 32)
+            for c in (160, 512)}
+    fit = fit_batch_cost(grid, 160)
+    assert fit.form == "sum" and fit.rel_error_max < 1e-3
+    b, n = np.array([3, 24]), np.array([7, 9])
+    np.testing.assert_allclose(fit.time(b, n, 300), truth.time(b, n, 300), rtol=1e-3)
+    assert BatchFit.from_json(fit.to_json()) == fit
+
+
+def test_batch_fit_picks_the_max_form_for_a_roofline():
+    truth = BatchFit(t0=1e-4, w=5e-3, kv=1e-8, tok=1e-5, att=1e-9, context_tokens=256, form="max")
+    grid = {(b, n): float(truth.time(b, n)) for b in (1, 2, 4, 8, 16, 32, 64) for n in (1, 2, 8, 32)}
+    fit = fit_batch_cost(grid, 256)
+    assert fit.form == "max" and fit.rel_error_median < 0.01
+
+
+def test_anchored_profile_is_the_profile_at_batch_one_and_grows_with_the_fit():
+    profile = MeasuredCost((1, 4, 16), (3e-3, 3.3e-3, 4.5e-3))
+    fit = BatchFit(t0=1e-3, w=1e-3, kv=1e-8, tok=1e-4, att=0.0, context_tokens=160, form="sum")
+    cost = Anchored(profile, fit)
+    n = np.array([1, 4, 16])
+    np.testing.assert_allclose(cost.time(1, n), profile.time(n))
+    np.testing.assert_allclose(cost.time(8, n) / cost.time(1, n), fit.time(8, n) / fit.time(1, n))
+    slower = dataclasses.replace(fit, t0=3 * fit.t0, w=3 * fit.w, kv=3 * fit.kv, tok=3 * fit.tok)  # busier
+    np.testing.assert_allclose(Anchored(profile, slower).time(8, n), cost.time(8, n))
+
+
+def test_first_loss_interpolates_in_log_batch():
+    assert first_loss([1.5, 1.2, 0.8], [1, 2, 4]) == pytest.approx(2 * 2 ** 0.5)  # halfway in log B
+    assert first_loss([0.9, 0.5], [1, 2]) == 1.0
+    assert first_loss([2.0, 1.5], [1, 2]) is None
+
+
+@pytest.mark.parametrize("method", ["vanilla", "medusa", "eagle"])
+@pytest.mark.parametrize("hw", ["a100", "h100"])
+def test_batch_one_prediction_is_the_single_row_one(seven_b, method, hw):
+    cfg = seven_b(f"method={method}", f"hardware={hw}")
+    p = batch.predict_at_batch(cfg, batch_size=1, with_break_even=False)
+    single = simulate(cfg)
+    assert p.predicted_speedup == pytest.approx(single.predicted_speedup, rel=1e-9)
+    assert p.predicted_tau == pytest.approx(single.predicted_tau, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "medusa", "eagle"])
+@pytest.mark.parametrize("hw", ["a100", "h100"])
+def test_speedup_falls_with_batch_and_a_break_even_exists(seven_b, method, hw):
+    cfg = seven_b(f"method={method}", f"hardware={hw}")
+    curve = batch.speedup_curve(cfg, [1, 4, 16, 64, 256, 1024])
+    speedups = [s for _, _, s, _ in curve]
+    assert speedups[0] > 1 and all(np.diff(speedups) <= 1e-12)
+    b_star = batch.break_even_batch(cfg)
+    assert b_star is not None and 1 < b_star < batch.MAX_SEARCH_BATCH
+    lo, hi = (batch.predict_at_batch(cfg, batch_size=b, with_break_even=False).predicted_speedup
+              for b in (int(b_star) - 1 if b_star >= 2 else 1, int(np.ceil(b_star)) + 1))
+    assert lo >= 1 > hi
+
+
+def test_break_even_moves_the_right_way_with_draft_cost_and_acceptance(seven_b):
+    base = ("method=vanilla", "hardware=a100", "method.draft_cost_ratio=0.05",
+            "method.acceptance.alpha=0.7")
+    b0 = batch.break_even_batch(seven_b(*base))
+    dearer = batch.break_even_batch(seven_b(*base, "method.draft_cost_ratio=0.2"))
+    better = batch.break_even_batch(seven_b(*base, "method.acceptance.alpha=0.85"))
+    assert dearer < b0 < better
+    longer = batch.break_even_batch(seven_b(*base, "workload.context_tokens=4000"))
+    assert longer is None or longer > b0  # KV reads keep long contexts memory-bound (MagicDec)
+
+
+def test_autoregressive_never_breaks_even(seven_b):
+    cfg = seven_b("method=autoregressive", "hardware=a100")
+    assert batch.break_even_batch(cfg) is None
+    assert batch.predict_at_batch(cfg, batch_size=16).predicted_speedup == 1.0
+
+
+def test_sequoia_shrinks_its_tree_as_the_batch_grows(seven_b):
+    cfg = seven_b("method=sequoia", "hardware=a100", "tree=sequoia")
+    rows = batch.best_budget_by_batch(cfg, [1, 4, 16, 64, 256])
+    budgets = [r["budget"] for r in rows]
+    assert budgets[0] > budgets[-1] and all(np.diff(budgets) <= 0)
+    assert all(r["speedup"] >= 1.0 for r in rows)
+
+
+def test_dynamic_tree_budget_shrinks_with_batch(seven_b):
+    cfg = seven_b("method=eagle2", "hardware=a100", "tree=dynamic")
+    budgets = [r["budget"] for r in batch.best_budget_by_batch(cfg, [1, 16, 256])]
+    assert budgets[0] > budgets[-1]
+
+
+def test_draft_roofline_is_batched_too(seven_b):
+    cfg = seven_b("method=vanilla", "hardware=a100", "method.draft_cost=roofline")
+    cost = BatchCostModel.from_config(cfg)
+    tree = Tree.chain(4)
+    assert cost.at(512).draft_time(tree) > 2 * cost.at(1).draft_time(tree)
+
+
+def test_ratio_priced_draft_grows_as_the_target_step(seven_b):
+    cfg = seven_b("method=vanilla", "hardware=a100", "method.draft_cost_ratio=0.1")
+    cost = BatchCostModel.from_config(cfg)
+    for b in (1, 64, 1024):
+        at = cost.at(b)
+        assert at.draft_time(Tree.chain(3)) == pytest.approx(0.3 * at.ar_time)
+
+
+def test_simulate_reports_the_batch_when_batch_size_is_above_one(run_module, run_config):
+    cfg = run_config("task=simulate", "method=vanilla", "hardware=a100", "model=llama2_7b",
+                     "workload.batch_size=16")
+    result = run_module.execute(cfg, None)
+    metrics = result.metrics
+    assert any("break-even batch" in line for line in result.summary)
+    assert metrics["batch_size"] == 16
+    assert metrics["predicted_speedup"] == pytest.approx(
+        batch.predict_at_batch(cfg, with_break_even=False).predicted_speedup)
+    assert metrics["predicted_speedup_batch1"] == pytest.approx(simulate(cfg).predicted_speedup)
+    assert metrics["break_even_batch"] == pytest.approx(batch.break_even_batch(cfg))
+    assert set(metrics["speedup_by_batch"]) == {str(b) for b in batch.BATCHES}
