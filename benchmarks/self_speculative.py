@@ -5,7 +5,8 @@ device, extra parameters trained and training time. Every row is a task=measure 
 and trained modules are cached, so re-running is cheaper).
 
     python benchmarks/self_speculative.py [--workloads code prose] [--methods ...] [--num-prompts 8]
-        [--threads 1] [--json out.json]
+        [--threads 1] [--calibration-prompts N] [--json out.json]
+    python benchmarks/self_speculative.py --merge a.json b.json   # one table of rows run apart
 
 LayerSkip's variant is a different model from the zoo target: its τ and speedup are against its own
 autoregressive decoding (``baseline_model`` in the JSON).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,8 +75,9 @@ def run_row(name: str, workload: str, args) -> dict:
     from methods.models import load_models
     from run import compose_run_config, seed_everything
 
+    extra = [f"calibration.prompts={args.calibration_prompts}"] if args.calibration_prompts else []
     cfg = compose_run_config(*METHODS[name], f"workload={workload}", f"threads={args.threads}",
-                             f"workload.num_prompts={args.num_prompts}")
+                             f"workload.num_prompts={args.num_prompts}", *extra)
     seed_everything(cfg.seed, True, cfg.threads)
     start = time.perf_counter()
     m = measure(cfg, show_progress=False).metrics
@@ -88,17 +91,26 @@ def run_row(name: str, workload: str, args) -> dict:
             "predicted_speedup": m["predicted_speedup"], "greedy_equal_rate": m["greedy_equal_rate"],
             "extra_params_trained": params, "training_seconds": seconds, "trained": what,
             "baseline_model": "layerskip variant (own AR)" if name == "layerskip" else "zoo target",
-            "run_seconds": time.perf_counter() - start}
+            "calibrated": {k: m[k] for k in CALIBRATED if k in m},
+            "run_seconds": time.perf_counter() - start, "loadavg_1min": os.getloadavg()[0]}
+
+
+CALIBRATED = ("draft_cost_ratio_calibrated", "draft_cost_ratio_config", "verify_saving_ratio_calibrated",
+              "shared_verify_over_full", "verify_reuse_ratio_config", "predicted_draft_forwards_per_step",
+              "predicted_mean_draft_length", "draft_forwards_per_step", "mean_draft_length",
+              "predicted_exit_threshold_final", "exit_threshold_final")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| method | workload | τ | pred. τ | draft cost ratio | speedup | pred. speedup | extra params "
-            "trained | training s |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| method | workload | τ | pred. τ | draft cost ratio | speedup | decode speedup "
+            "| pred. speedup | extra params trained | training s |")
+    lines = [head, "|" + "---|" * 10]
+    rows = sorted(rows, key=lambda r: (r["workload"], list(METHODS).index(r["method"])))
     for r in rows:
         secs = "-" if r["training_seconds"] is None else f"{r['training_seconds']:.0f}"
         lines.append(f"| {r['method']} | {r['workload']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
                      f"{r['draft_cost_ratio']:.3f} ({r['draft_steps']}) | {r['speedup']:.2f} | "
+                     f"{r['decode_speedup']:.2f} | "
                      f"{r['predicted_speedup']:.2f} | {r['extra_params_trained'] / 1e6:.2f}M "
                      f"({r['trained']}) | {secs} |")
     return "\n".join(lines)
@@ -110,8 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calibration-prompts", type=int, default=0,
+                    help="calibration.prompts of the profiles calibrated on first use (0: the config's)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="print the table of rows written by earlier runs (--json files) and exit")
     args = ap.parse_args(argv)
+    if args.merge:
+        print(table([r for f in args.merge for r in json.loads(f.read_text())]))
+        return 0
     rows = []
     for workload in args.workloads:
         for name in args.methods:

@@ -157,6 +157,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
             predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
             predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted)))
+        predictions.update(calibrated_costs(cfg, profile))
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
@@ -172,6 +173,22 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "device": str(models.device),
     })
     return RunResult(metrics, samples)
+
+
+def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:
+    """The costs the prediction used, as measured on this device, beside the config's arithmetic (self-
+    drafting: ρ = E / L or the kept sub-layers' share; the shared-cache verify's ρ_v)."""
+    out = {"draft_cost_ratio_calibrated": profile.draft_ratio,
+           "draft_cost_ratio_config": cfg.method.draft_cost_ratio}
+    shared = profile.extra.get("shared_verify")
+    if shared:
+        out.update(verify_saving_ratio_calibrated=shared["saving_ratio"],
+                   shared_verify_over_full=shared["ratio"] / shared["full_ratio"],
+                   verify_reuse_ratio_config=cfg.method.verify_reuse_ratio)
+    for key in ("loop_draft_forwards_per_step", "loop_mean_draft_length"):
+        if key in profile.extra:
+            out[f"calibration_{key}"] = profile.extra[key]
+    return out
 
 
 def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> dict[str, Any]:
