@@ -162,6 +162,8 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
     metrics.update(predictions)
+    if "predicted_tau" in metrics and metrics["n_target_forwards"] and metrics["baseline_n_target_forwards"]:
+        metrics["predicted_speedup_at_run_costs"] = at_run_costs(metrics)
     if getattr(drafter, "decoded_model", None):  # a drafter that replaced the target (LayerSkip's variant)
         metrics["decoded_model"] = drafter.decoded_model
     metrics.update({
@@ -173,6 +175,18 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "device": str(models.device),
     })
     return RunResult(metrics, samples)
+
+
+def at_run_costs(m: dict[str, Any]) -> float:
+    """A diagnostic beside the prediction: its τ (and, for an adaptive draft length, its draft forwards per
+    step) priced with this run's own timed costs — t_AR from the baseline's decode steps, the draft forward
+    and the verify per step from the method's — instead of the profile's. On a machine whose load changed
+    between the calibration and the run, it tells the acceptance model's error from the timing's."""
+    t_ar = (m["baseline_time_s"] - m["baseline_time_prefill_s"]) / m["baseline_n_target_forwards"]
+    draft, verify = m["time_draft_s"] / m["n_target_forwards"], m["time_verify_s"] / m["n_target_forwards"]
+    if m.get("draft_forwards_per_step") and "predicted_draft_forwards_per_step" in m:
+        draft *= m["predicted_draft_forwards_per_step"] / m["draft_forwards_per_step"]
+    return m["predicted_tau"] * t_ar / (draft + verify)
 
 
 def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:

@@ -63,3 +63,15 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     assert here["predicted_tau"] <= 1 + here["predicted_mean_draft_length"]
     cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof))
     assert here["predicted_speedup"] == pytest.approx(run.tau * cost.ar_time / run.step_time(cost))
+
+
+def test_prediction_at_the_runs_own_costs():
+    from methods.measurement.measure import at_run_costs
+
+    m = {"baseline_time_s": 11.0, "baseline_time_prefill_s": 1.0, "baseline_n_target_forwards": 100,
+         "time_draft_s": 6.0, "time_verify_s": 4.0, "n_target_forwards": 40, "predicted_tau": 2.5}
+    t_ar, draft, verify = 0.1, 0.15, 0.1  # per token / per step
+    assert at_run_costs(m) == pytest.approx(2.5 * t_ar / (draft + verify))
+    # an adaptive draft length: the run's cost per draft forward at the predicted forwards per step
+    m.update(draft_forwards_per_step=3.0, predicted_draft_forwards_per_step=2.0)
+    assert at_run_costs(m) == pytest.approx(2.5 * t_ar / (draft * 2 / 3 + verify))
