@@ -145,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics:  # rows from run.py's metrics.json: --metrics NAME:WORKLOAD:PATH ...
         rows = []
         for spec in args.metrics:
+            from run import seed_everything
+
             name, workload, path = spec.split(":", 2)
-            rows.append(make_row(name, workload, row_config(name, workload, args),
-                                 json.loads(Path(path).read_text()), float("nan")))
+            cfg = row_config(name, workload, args)
+            seed_everything(cfg.seed, True, cfg.threads)  # threads enter the skip-set search's cache key
+            rows.append(make_row(name, workload, cfg, json.loads(Path(path).read_text()), float("nan")))
             print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1) + "\n")
