@@ -5,7 +5,9 @@ device, extra parameters trained and training time. Every row is a task=measure 
 and trained modules are cached, so re-running is cheaper).
 
     python benchmarks/self_speculative.py [--workloads code prose] [--methods ...] [--num-prompts 8]
-        [--threads 1] [--json out.json]
+        [--threads 1] [--calibration-prompts N] [--json out.json]
+    python benchmarks/self_speculative.py --merge a.json b.json   # one table of rows run apart
+    python benchmarks/self_speculative.py --metrics mtp:code:outputs/.../metrics.json ... --json rows.json
 
 LayerSkip's variant is a different model from the zoo target: its τ and speedup are against its own
 autoregressive decoding (``baseline_model`` in the JSON).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,37 +71,58 @@ def training_cost(name: str, cfg, models) -> tuple[int, float | None, str]:
     return 0, 0.0, "no training"
 
 
+def row_config(name: str, workload: str, args):
+    from run import compose_run_config
+
+    extra = [f"calibration.prompts={args.calibration_prompts}"] if args.calibration_prompts else []
+    return compose_run_config(*METHODS[name], f"workload={workload}", f"threads={args.threads}",
+                              f"workload.num_prompts={args.num_prompts}", *extra)
+
+
 def run_row(name: str, workload: str, args) -> dict:
     from methods.measurement.measure import measure
-    from methods.models import load_models
-    from run import compose_run_config, seed_everything
+    from run import seed_everything
 
-    cfg = compose_run_config(*METHODS[name], f"workload={workload}", f"threads={args.threads}",
-                             f"workload.num_prompts={args.num_prompts}")
+    cfg = row_config(name, workload, args)
     seed_everything(cfg.seed, True, cfg.threads)
     start = time.perf_counter()
     m = measure(cfg, show_progress=False).metrics
-    profile = json.loads(Path(m["profile_path"]).read_text())
+    return make_row(name, workload, cfg, m, time.perf_counter() - start)
+
+
+def make_row(name: str, workload: str, cfg, m: dict, run_seconds: float) -> dict:
+    """A table row from a measure run's metrics (this script's, or a ``python run.py`` metrics.json)."""
+    from methods.models import load_models
+
     plain = load_models(cfg.model, cfg.device, cfg.model.dtype)  # the zoo target as loaded (caches' keys)
     params, seconds, what = training_cost(name, cfg, plain)
     return {"method": name, "workload": workload, "tau": m["tau"], "predicted_tau": m["predicted_tau"],
-            "draft_cost_ratio": profile["draft_time_s"] / profile["t_ar_s"],
+            "draft_cost_ratio": m["draft_cost_ratio_calibrated"],  # the profile's timed draft step / t(1)
             "draft_steps": cfg.method.draft_steps, "speedup": m["speedup"],
             "decode_speedup": m["decode_speedup"],
             "predicted_speedup": m["predicted_speedup"], "greedy_equal_rate": m["greedy_equal_rate"],
             "extra_params_trained": params, "training_seconds": seconds, "trained": what,
             "baseline_model": "layerskip variant (own AR)" if name == "layerskip" else "zoo target",
-            "run_seconds": time.perf_counter() - start}
+            "calibrated": {k: m[k] for k in CALIBRATED if k in m},
+            "run_seconds": run_seconds, "loadavg_1min": os.getloadavg()[0]}
+
+
+CALIBRATED = ("draft_cost_ratio_calibrated", "draft_cost_ratio_config", "verify_saving_ratio_calibrated",
+              "shared_verify_over_full", "verify_reuse_ratio_config", "predicted_draft_forwards_per_step",
+              "predicted_mean_draft_length", "draft_forwards_per_step", "mean_draft_length",
+              "predicted_exit_threshold_final", "exit_threshold_final")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| method | workload | τ | pred. τ | draft cost ratio | speedup | pred. speedup | extra params "
-            "trained | training s |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| method | workload | τ | pred. τ | draft cost ratio | speedup | decode speedup "
+            "| pred. speedup | extra params trained | training s |")
+    lines = [head, "|" + "---|" * 10]
+    rows = sorted(rows, key=lambda r: (r["workload"], list(METHODS).index(r["method"])))
     for r in rows:
         secs = "-" if r["training_seconds"] is None else f"{r['training_seconds']:.0f}"
         lines.append(f"| {r['method']} | {r['workload']} | {r['tau']:.2f} | {r['predicted_tau']:.2f} | "
                      f"{r['draft_cost_ratio']:.3f} ({r['draft_steps']}) | {r['speedup']:.2f} | "
+                     f"{r['decode_speedup']:.2f} | "
                      f"{r['predicted_speedup']:.2f} | {r['extra_params_trained'] / 1e6:.2f}M "
                      f"({r['trained']}) | {secs} |")
     return "\n".join(lines)
@@ -110,8 +134,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calibration-prompts", type=int, default=0,
+                    help="calibration.prompts of the profiles calibrated on first use (0: the config's)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--metrics", nargs="+", default=None, metavar="NAME:WORKLOAD:PATH",
+                    help="rows from metrics.json files of `python run.py` runs of the same configs")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None,
+                    help="print the table of rows written by earlier runs (--json files) and exit")
     args = ap.parse_args(argv)
+    if args.metrics:  # rows from run.py's metrics.json: --metrics NAME:WORKLOAD:PATH ...
+        rows = []
+        for spec in args.metrics:
+            from run import seed_everything
+
+            name, workload, path = spec.split(":", 2)
+            cfg = row_config(name, workload, args)
+            seed_everything(cfg.seed, True, cfg.threads)  # threads enter the skip-set search's cache key
+            rows.append(make_row(name, workload, cfg, json.loads(Path(path).read_text()), float("nan")))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        print(table(rows))
+        return 0
+    if args.merge:
+        print(table([r for f in args.merge for r in json.loads(f.read_text())]))
+        return 0
     rows = []
     for workload in args.workloads:
         for name in args.methods:

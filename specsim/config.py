@@ -81,6 +81,9 @@ class MethodConfig:
     # simulator: self-speculation's shared cache (LayerSkip): the share ρ_v of the target's layers the draft
     # already ran for the nodes it fed, which the verify pass does not recompute (E / L; 0 = none)
     verify_reuse_ratio: float = 0.0
+    # simulator, calibrated (set from a measured profile): the shared-cache verify's saving per speculation
+    # step over the full verify forward, in t(1) units, timed on the device; > 0 replaces the ρ_v arithmetic
+    verify_saving_ratio: float = 0.0
     draft_steps: str = "depth"  # "depth": one draft pass per tree level; "one": a single pass
     # simulator: "ratio" prices a draft step at draft_cost_ratio·t(1); "roofline" uses the draft model's
     # own roofline (model.draft_params, draft_n_layers, draft_hidden_size) on the same hardware
@@ -255,6 +258,7 @@ RANGES: dict[str, Range] = {
     "method.draft_tokens_per_forward": Range(1),
     "method.verify_extra_tokens": NON_NEGATIVE,
     "method.verify_reuse_ratio": Range(0, 1, hi_open=True),
+    "method.verify_saving_ratio": Range(0, 1, hi_open=True),
     "method.acceptance.alpha": Range(0, 1, hi_open=True),  # α = 1 makes k̄ infinite
     "method.acceptance.decay": UNIT,
     "tree.gamma": Range(1, MAX_TREE_NODES - 1),

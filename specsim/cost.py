@@ -6,7 +6,9 @@ or a measured table. The draft q costs ρ·t(1) per draft step (Leviathan et al.
 For a chain with flat t(n) this is Leviathan's S = k̄ / (1 + γρ). Self-speculation (LayerSkip, Draft &
 Verify) has no separate draft model: ρ is the share of the target's layers a draft step runs (E / L), and
 with LayerSkip's shared cache the verify pass skips layers [0, E) for the m nodes the draft fed: it costs
-(1 - ρ_v)·t(n) + ρ_v·t(n - m) instead of t(n) (ρ_v = E / L).
+(1 - ρ_v)·t(n) + ρ_v·t(n - m) instead of t(n) (ρ_v = E / L). Calibrated on a device (a measured profile),
+the draft step's cost is timed (not E / L) and the shared-cache saving is the timed difference between the
+full verify forward and the resumed one (``verify_saving``, in t_AR units).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class CostModel:
     draft: DraftCost
     verify_extra: int = 0
     verify_reuse: float = 0.0  # ρ_v: share of the layers the draft already ran for the nodes it fed
+    verify_saving: float = 0.0  # calibrated: the measured shared-cache saving per step / t_AR (replaces ρ_v)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None) -> CostModel:
@@ -196,7 +199,7 @@ class CostModel:
         one = m.draft_steps == "one"
         per_forward = m.draft_tokens_per_forward
         draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
-        return cls(target, draft, m.verify_extra_tokens, m.verify_reuse_ratio)
+        return cls(target, draft, m.verify_extra_tokens, m.verify_reuse_ratio, m.verify_saving_ratio)
 
     @property
     def ar_time(self) -> float:
@@ -208,9 +211,14 @@ class CostModel:
 
     def tree_verify_time(self, tree: Tree) -> float:
         """The verify pass of ``tree``: t(n), or with a shared cache (ρ_v > 0) the draft's layers [0, E) of
-        the m nodes it fed (those with children) reused: (1 - ρ_v)·t(n) + ρ_v·t(n - m)."""
+        the m nodes it fed (those with children) reused: (1 - ρ_v)·t(n) + ρ_v·t(n - m). A calibrated saving
+        (``verify_saving``, measured on the device) replaces the arithmetic: t(n) - saving·t_AR."""
         full = float(self.verify_time(self.verify_tokens(tree)))
-        if self.verify_reuse <= 0 or tree.depth == 0:
+        if tree.depth == 0:
+            return full
+        if self.verify_saving > 0:
+            return max(0.0, full - self.verify_saving * self.ar_time)
+        if self.verify_reuse <= 0:
             return full
         fresh = self.verify_tokens(tree) - sum(1 for kids in tree.children if kids)  # not run by the draft
         return (1 - self.verify_reuse) * full + self.verify_reuse * float(self.verify_time(fresh))

@@ -8,7 +8,8 @@ them before returning (the verify pass recomputes every node). Adaptive draft-ex
 2, its constants as we read them): drafting stops at the first token whose draft confidence (top-1
 probability) is below a threshold γ_th, and after each verification, with AR the step's acceptance rate,
     AR~ <- β1·AR~ + (1-β1)·AR;   γ~ = γ_th + ε if AR~ < α_target else γ_th - ε;   γ_th <- β2·γ_th + (1-β2)·γ~
-(clipped to [0, 1]): low acceptance raises the threshold (shorter drafts), high acceptance lowers it.
+(clipped to [0, 1]): low acceptance raises the threshold (shorter drafts), high acceptance lowers it. The
+rule and its pricing (the law of the draft length under it) are specsim.adaptive_exit's.
 The skip set comes from config, or ``skip: search``: the cached greedy search of
 methods.drafters.skip_search.
 """
@@ -24,22 +25,14 @@ from methods.core.engine import ModelEngine
 from methods.core.fast_llama import SubLayers
 from methods.core.sampling import SamplingParams, probs
 from methods.drafters.params import checked_params
+from specsim.adaptive_exit import ExitRule, next_state
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
 _SAMPLED = {Verifier.chain, Verifier.specinfer}
 
 
-@dataclass(frozen=True)
-class AdaptiveExit:
-    """The draft-exit threshold's initial value and its update (module docstring)."""
-
-    threshold: float = 0.6
-    adaptive: bool = True
-    target_acceptance: float = 0.8  # α_target
-    step: float = 0.01  # ε
-    beta1: float = 0.5
-    beta2: float = 0.9
+AdaptiveExit = ExitRule  # the rule's constants, shared with its pricing (specsim.adaptive_exit)
 
 
 @dataclass(frozen=True)
@@ -70,6 +63,7 @@ class DraftVerifyDrafter:
         self.engine: ModelEngine | None = None
         self.threshold, self._ar = exit_rule.threshold, exit_rule.target_acceptance
         self._chains: dict[int, Tree] = {}
+        self.draft_forwards, self.draft_steps, self.drafted = 0, 0, 0  # counters (run_stats, calibration)
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -82,7 +76,8 @@ class DraftVerifyDrafter:
             from methods.drafters.skip_search import ensure_skip_set
 
             found = ensure_skip_set(models.target, models.tokenizer)
-            sub, gamma = found.sub, dp.gamma or found.gamma  # gamma 0: the search's best chain length
+            # gamma 0: the search's best chain length (none when no set predicts a speedup: the chain's)
+            sub, gamma = found.sub, dp.gamma or found.gamma or gamma
         elif dp.skip == "config":
             sub = SubLayers(skip_attn=frozenset(dp.skip_attn), skip_mlp=frozenset(dp.skip_mlp))
         else:
@@ -109,7 +104,9 @@ class DraftVerifyDrafter:
         if gamma < 1:
             return root_only(root, ctx.tokens.device)
         tokens, rows = [root], []
+        self.draft_steps += 1
         for d in range(gamma):
+            self.draft_forwards += 1
             out = eng.extend(torch.tensor(tokens[d : d + 1], device=eng.device), [d - 1], last_only=True,
                              sub=self.sub)
             q = probs(out.logits, self.sampling)[0] if self.sample else out.logits[0].softmax(-1)  # (V,)
@@ -120,6 +117,7 @@ class DraftVerifyDrafter:
             rows.append(q)
         eng.drop_pending()  # the draft's KV of its own nodes is approximate: the verify recomputes them
         k = len(tokens) - 1
+        self.drafted += k
         q_rows = None
         if self.sample:
             q_rows = torch.zeros(k + 1, rows[0].numel(), device=eng.device)
@@ -131,10 +129,17 @@ class DraftVerifyDrafter:
         drafted = fb.draft.tree.depth
         if not self.rule.adaptive or drafted == 0:
             return
-        r = self.rule
-        self._ar = r.beta1 * self._ar + (1 - r.beta1) * (len(fb.accepted) - 1) / drafted
-        moved = self.threshold + (r.step if self._ar < r.target_acceptance else -r.step)
-        self.threshold = min(1.0, max(0.0, r.beta2 * self.threshold + (1 - r.beta2) * moved))
+        self.threshold, self._ar = next_state(self.rule, self.threshold, self._ar,
+                                              (len(fb.accepted) - 1) / drafted)
+
+    def run_stats(self) -> dict[str, float]:
+        """Draft forwards and tokens per drafting step so far (a forward that fell below the threshold was
+        paid for: the calibration prices a draft step per forward, not per level)."""
+        steps = max(self.draft_steps, 1)
+        return {"draft_forwards": self.draft_forwards, "draft_steps": self.draft_steps,
+                "draft_forwards_per_step": self.draft_forwards / steps,
+                "mean_draft_length": self.drafted / steps,
+                "exit_threshold_final": self.threshold}
 
     def _chain(self, k: int) -> Tree:
         if k not in self._chains:

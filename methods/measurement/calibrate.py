@@ -39,6 +39,7 @@ from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
+    SHARED,
     T_AR,
     TIMING_ATTEMPTS,
     VERIFY,
@@ -62,6 +63,7 @@ from methods.measurement.profiles import (
 )
 from methods.models import Models, context_length, load_models
 from specsim.acceptance import from_config
+from specsim.adaptive_exit import ConfidenceTable
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.cost import CostModel
 from specsim.io import atomic_write_json
@@ -404,16 +406,85 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         return {T_AR: (r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1)}
 
     def spec() -> dict:
+        before = _draft_counts(run.drafter)
         r = decode(run.target, run.drafter, next_prompt("spec"), _spec_opts(run), run.generator)
         steps = max(r.n_target_forwards, 1)
-        return {DRAFT: r.time_draft_s / steps / levels, VERIFY: r.time_verify_s / steps}
+        per_step = _forwards_per_step(before, _draft_counts(run.drafter)) or levels
+        return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps}
+
+    shared = {"on": True}
 
     def forwards() -> dict:
         run.target.reset()
         run.target.prefill(context)
-        return forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
+        out = forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
+        if shared["on"]:
+            seconds = shared_verify_time(run, context)
+            shared["on"] = seconds is not None
+            out.update({SHARED: seconds} if seconds is not None else {})
+        return out
 
     return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
+
+
+def _draft_counts(drafter) -> tuple[int, int] | None:
+    """(draft forwards, drafting steps) so far of a drafter that counts them (Draft & Verify: its adaptive
+    exit drafts fewer levels than its chain and pays one forward beyond a stop)."""
+    stats = drafter.run_stats() if hasattr(drafter, "run_stats") else {}
+    return (stats["draft_forwards"], stats["draft_steps"]) if "draft_forwards" in stats else None
+
+
+def _forwards_per_step(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    if before is None or after is None or after[1] == before[1]:
+        return 0.0
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+@torch.inference_mode()
+def shared_verify_time(run: _Run, context: torch.Tensor, clock: Callable[[], float] = time.perf_counter
+                       ) -> float | None:
+    """Self-speculation's verify forward as the loop runs it (LayerSkip): the drafter drafts its chain after
+    ``context`` on the target's engine, and the verify resumes on the draft's shared KV (``Draft.resume``);
+    median of FORWARD_REPEAT, each after an untimed one. None for a drafter whose drafts resume nothing."""
+    attach = getattr(run.drafter, "attach", None)
+    if attach is None:
+        return None
+    attach(run.target)
+    times = []
+    for i in range(FORWARD_REPEAT + 1):
+        run.target.reset()
+        run.target.prefill(context[:-1])
+        draft = run.drafter.propose(DraftContext(context, None, run.generator, run.tree.depth))
+        if draft.resume is None:
+            run.target.reset()
+            return None
+        t0 = clock()
+        run.target.forward_tree(draft.tokens, draft.tree, resume=draft.resume)
+        if i:  # the first is the untimed warm one
+            times.append(clock() - t0)
+    run.target.reset()
+    return float(np.median(times))
+
+
+@torch.inference_mode()
+def exit_confidence(run: _Run, seqs: list[torch.Tensor]) -> dict[str, Any] | None:
+    """For a drafter with a draft-exit rule (Draft & Verify's ``rule``), at temperature 0: its confidence
+    (top-1 probability of q) and whether p's greedy token agrees, at every position the target generated
+    along its own trajectories — the table (specsim.adaptive_exit.ConfidenceTable) its exit is priced with.
+    Positional: a depth-d draft is taken to meet the confidences of depth 1 (see _self_draft_law)."""
+    law = LAWS.get(run.cfg.method.drafter)
+    if getattr(run.drafter, "rule", None) is None or law is None or not run.sampling.greedy:
+        return None
+    conf, agree = [], []
+    for ids, seq in zip(run.prompts, seqs):
+        roots = torch.arange(ids.numel() - 1, seq.numel() - 1)
+        q = law(run, seq, None, roots, 1).float().softmax(-1)  # (T, V)
+        top = q.max(-1)
+        conf += top.values.tolist()
+        agree += (top.indices == seq[roots + 1].to(top.indices.device)).tolist()
+    table = ConfidenceTable.from_samples(conf, agree)
+    return {"edges": list(table.edges), "mass": list(table.mass), "accept": list(table.accept),
+            "positions": len(conf), "alpha": table.alpha}
 
 
 @torch.inference_mode()
@@ -441,6 +512,7 @@ class _Measured:
     context: int
     setup_s: float
     forward_tokens: int  # mean tokens of the loop's verify forward (loop_forward_tokens)
+    exit_table: dict[str, Any] | None = None  # exit_confidence's table (drafters with a draft-exit rule)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -466,6 +538,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # generations (Lookahead's window warms up and its pool fills as a generation goes on)
     loop = cfg.method.drafter in LOOP_DRAFTERS
     ranks = [] if loop else _star_ranks(run, seqs)
+    exit_table = exit_confidence(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
     stats = _depth_run(run, n_prompts, new_tokens)
@@ -477,7 +550,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
-    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward)
+    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -497,7 +570,26 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
+        **_self_draft_extra(cfg, run, m),
     }
+
+
+def _self_draft_extra(cfg: RunConfig, run: _Run, m: _Measured) -> dict[str, Any]:
+    """Self-drafting's calibrated figures: the shared-cache verify of the loop's chain (LayerSkip) beside the
+    full forward of as many tokens, and the draft-exit confidence table (Draft & Verify)."""
+    out: dict[str, Any] = {}
+    if m.table.shared_ratio > 0:
+        n = run.tree.size
+        full = m.table.t_n_ratios[n]
+        out["shared_verify"] = {"tokens": n, "ratio": m.table.shared_ratio, "full_ratio": full,
+                                "saving_ratio": full - m.table.shared_ratio}
+    if m.exit_table is not None:
+        out["exit_confidence"] = m.exit_table
+    stats = run.drafter.run_stats() if hasattr(run.drafter, "run_stats") else {}
+    if "draft_forwards_per_step" in stats and "draft_forwards" in stats:
+        out["loop_draft_forwards_per_step"] = stats["draft_forwards_per_step"]
+        out["loop_mean_draft_length"] = stats["mean_draft_length"]
+    return out
 
 
 def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress: bool = True) -> Profile:
@@ -618,4 +710,14 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return f"no t(n) for budgets {missing_budgets(profile, cfg)}"
     if profile.stale:
         return f"the cached profile is stale: {profile.stale}"
+    return missing_self_draft(profile, cfg)
+
+
+def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
+    """Self-drafting's calibrated figures a profile measured before they were taken lacks ("" if none)."""
+    drafter, extra = cfg.method.drafter, profile.extra
+    if drafter == "draft_verify" and cfg.workload.temperature == 0 and "exit_confidence" not in extra:
+        return "no draft-exit confidence table"
+    if drafter == "layerskip" and "shared_verify" not in extra:
+        return "no timed shared-cache verify"
     return ""

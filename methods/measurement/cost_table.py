@@ -26,6 +26,7 @@ MAX_TIMING_DISPERSION = 0.25
 TIMING_ATTEMPTS = 2  # a scattered timing is measured again once before the profile is kept out of the cache
 
 T_AR, DRAFT, VERIFY = "t_ar", "draft", "verify"  # a round's loop figures; its tree forwards are keyed by n
+SHARED = "shared"  # self-speculation's verify forward of the loop's chain resumed on the draft's shared KV
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class CostTable:
     verify_ratio: float  # median of the rounds' loop verification per speculation step / t(1)
     dispersion: dict[str, float]  # relative IQR of each series: "t1" (seconds), the others as ratios
     rounds: int
+    shared_ratio: float = 0.0  # median of the rounds' shared-cache verify forward / t(1); 0 = not timed
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -43,8 +45,10 @@ class CostTable:
         return max(self.dispersion.items(), key=lambda kv: kv[1], default=("", 0.0))
 
     def verify_overhead_ratio(self, tree_size: int) -> float:
-        """The loop's verification beyond the verify forward of its tree, / t(1) (0 without a tree)."""
-        return max(0.0, self.verify_ratio - self.t_n_ratios[tree_size]) if tree_size > 1 else 0.0
+        """The loop's verification beyond the verify forward of its tree, / t(1) (0 without a tree): beyond
+        the shared-cache forward where one was timed (the forward the loop runs)."""
+        forward = self.shared_ratio or self.t_n_ratios[tree_size]
+        return max(0.0, self.verify_ratio - forward) if tree_size > 1 else 0.0
 
 
 def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
@@ -54,13 +58,13 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     sizes = sorted(k for k in rounds[0] if isinstance(k, int))
     t1 = series(rounds, T_AR)
     per = {n: ratios(rounds, n, T_AR) for n in sizes}
-    loop = {k: ratios(rounds, k, T_AR) for k in (DRAFT, VERIFY) if k in rounds[0]}
+    loop = {k: ratios(rounds, k, T_AR) for k in (DRAFT, VERIFY, SHARED) if k in rounds[0]}
     dispersion = {"t1": relative_iqr(t1)}
     dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
-                     med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds))
+                     med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0))
 
 
 def scatter_reason(dispersion: Mapping[str, float], bound: float | None = None) -> str:

@@ -188,10 +188,13 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
             predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
             predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted)))
+        predictions.update(calibrated_costs(cfg, profile))
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
     metrics.update(predictions)
+    if "predicted_tau" in metrics and metrics["n_target_forwards"] and metrics["baseline_n_target_forwards"]:
+        metrics["predicted_speedup_at_run_costs"] = at_run_costs(metrics)
     if getattr(drafter, "decoded_model", None):  # a drafter that replaced the target (LayerSkip's variant)
         metrics["decoded_model"] = drafter.decoded_model
     metrics.update({
@@ -245,6 +248,34 @@ def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, 
         "baseline_outside_forward_fraction": 1 - base.forward_s / max(base.seconds - base.prefill_s, 1e-12),
         "prediction_batch_size": 1,  # predicted_* are for one sequence: the batch-aware model is pending
     }
+
+
+def at_run_costs(m: dict[str, Any]) -> float:
+    """A diagnostic beside the prediction: its τ (and, for an adaptive draft length, its draft forwards per
+    step) priced with this run's own timed costs — t_AR from the baseline's decode steps, the draft forward
+    and the verify per step from the method's — instead of the profile's. On a machine whose load changed
+    between the calibration and the run, it tells the acceptance model's error from the timing's."""
+    t_ar = (m["baseline_time_s"] - m["baseline_time_prefill_s"]) / m["baseline_n_target_forwards"]
+    draft, verify = m["time_draft_s"] / m["n_target_forwards"], m["time_verify_s"] / m["n_target_forwards"]
+    if m.get("draft_forwards_per_step") and "predicted_draft_forwards_per_step" in m:
+        draft *= m["predicted_draft_forwards_per_step"] / m["draft_forwards_per_step"]
+    return m["predicted_tau"] * t_ar / (draft + verify)
+
+
+def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:
+    """The costs the prediction used, as measured on this device, beside the config's arithmetic (self-
+    drafting: ρ = E / L or the kept sub-layers' share; the shared-cache verify's ρ_v)."""
+    out = {"draft_cost_ratio_calibrated": profile.draft_ratio,
+           "draft_cost_ratio_config": cfg.method.draft_cost_ratio}
+    shared = profile.extra.get("shared_verify")
+    if shared:
+        out.update(verify_saving_ratio_calibrated=shared["saving_ratio"],
+                   shared_verify_over_full=shared["ratio"] / shared["full_ratio"],
+                   verify_reuse_ratio_config=cfg.method.verify_reuse_ratio)
+    for key in ("loop_draft_forwards_per_step", "loop_mean_draft_length"):
+        if key in profile.extra:
+            out[f"calibration_{key}"] = profile.extra[key]
+    return out
 
 
 def _sample(prompt_id: str, res: DecodeResult, ref: DecodeResult, tokenizer) -> dict[str, Any]:

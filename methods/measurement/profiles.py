@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specsim.acceptance import PositionalAcceptance, from_config
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
 from specsim.cost import CostModel, MeasuredCost
 from specsim.io import atomic_write_json, read_json
@@ -182,9 +183,10 @@ def star_rule(cfg: RunConfig) -> StarRule:
 
 
 # drafters whose acceptance is measured through the decode loop (methods.measurement.calibrate): Lookahead
-# (its trie has no ranked star), and Draft & Verify, whose adaptive exit stops a draft early — the star of
-# its law priced every step as a full chain: τ 7.6 predicted, 2.5 measured (docs/validation.md)
-LOOP_ACCEPTANCE = frozenset({"lookahead", "draft_verify"})
+# (its trie has no ranked star). Draft & Verify's adaptive exit is priced by its own law instead
+# (specsim.adaptive_exit, from the calibration's confidence table): counting its early stops as rejections
+# here too would price the exit twice
+LOOP_ACCEPTANCE = frozenset({"lookahead"})
 
 
 def key_document(cfg: RunConfig) -> dict[str, Any]:
@@ -317,7 +319,35 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") 
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:
         m.draft_cost_ratio, m.draft_fixed_ratio = 0.0, ratio
+    shared = profile.extra.get("shared_verify")
+    if shared:  # self-speculation's shared cache: the timed saving replaces ρ_v = E / L
+        m.verify_reuse_ratio, m.verify_saving_ratio = 0.0, min(0.99, max(0.0, float(shared["saving_ratio"])))
     return out
+
+
+def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPrediction | None:
+    """A drafter with Draft & Verify's adaptive exit, calibrated: the rule's threshold and the law of its
+    draft length over the run's tokens (specsim.adaptive_exit, warm-up decodes included as the run makes
+    them), at most ``tree.depth`` drafts. None for other drafters or without the confidence table."""
+    table = profile.extra.get("exit_confidence")
+    if not table or cfg.method.drafter != "draft_verify" or tree.depth < 1:
+        return None
+    from methods.drafters.draft_verify import DraftVerifyParams
+
+    dp = DraftVerifyParams.from_method(cfg.method)
+    rule = ExitRule(dp.exit_threshold, dp.adaptive, dp.target_acceptance)
+    conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
+    w = cfg.workload
+    return threshold_path(conf, rule, tree.depth, (cfg.warmup + w.num_prompts) * w.max_new_tokens,
+                          cfg.warmup * w.max_new_tokens)
+
+
+def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel) -> dict[str, Any]:
+    step = run.step_time(cost)
+    return {**base, "predicted_tau": run.tau, "predicted_speedup": run.speedup(cost), "t_step_s": step,
+            "predicted_draft_forwards_per_step": run.forwards,
+            "predicted_mean_draft_length": run.draft_length,
+            "predicted_exit_threshold_final": run.thresholds[-1]}
 
 
 # ---- tree=sequoia ---------------------------------------------------------------------------------------
@@ -356,8 +386,15 @@ def _summary(p: Prediction) -> dict[str, Any]:
 def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
     """The simulator's predictions for a given tree under the measured acceptance: with this device's
     measured t(n) and draft time (the validation figure), and on the hardware preset's roofline."""
-    here = simulate(apply_profile(cfg, profile), profile=to_measured_cost(profile), tree=tree)
-    return _summary(here), _summary(simulate(measured_acceptance(cfg, profile), tree=tree))
+    here_cfg, measured = apply_profile(cfg, profile), to_measured_cost(profile)
+    here = _summary(simulate(here_cfg, profile=measured, tree=tree))
+    preset_cfg = measured_acceptance(cfg, profile)
+    preset = _summary(simulate(preset_cfg, tree=tree))
+    exits = exit_prediction(cfg, profile, tree)
+    if exits is not None:  # the adaptive exit drafts fewer than the chain: its law replaces the chain's τ
+        here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured))
+        preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg))
+    return here, preset
 
 
 def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, Any], dict[str, Any]]:
@@ -400,6 +437,7 @@ def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict
     out = {"predicted_tau": main["predicted_tau"], "predicted_speedup": main["predicted_speedup"],
            "predicted_decode_speedup": main["predicted_decode_speedup"],  # for workload.max_new_tokens
            "predicted_tokens_per_forward": main["tokens_per_forward"]}
+    out.update({k: v for k, v in main.items() if k.startswith("predicted_") and k not in out})  # exit law
     for suffix, pred in (("this_device", this_device), ("hardware", preset)):
         out.update({f"predicted_tau_{suffix}": pred["predicted_tau"],
                     f"predicted_speedup_{suffix}": pred["predicted_speedup"],

@@ -72,6 +72,37 @@ def heads_report(paths: ZooPaths) -> str:
     return "\n".join(lines)
 
 
+def self_spec_report(top: int = 5) -> str:
+    """Self-drafting's cached searches and variants (of whichever zoo target they were built on): Draft &
+    Verify's skip-set searches (greedy forward selection; the best sets of the path by predicted speedup,
+    with their acceptance and draft cost) and the LayerSkip variants (recipe, training time, held-out
+    perplexity of the last layer and of each early exit, beside the plain target's)."""
+    lines = []
+    for f in sorted((cache_root() / "draft_verify").glob("*.json")):
+        r = json.loads(f.read_text())
+        u = r["unit_costs"]
+        lines.append(f"  draft_verify skip-set search [{f.stem}]: greedy forward selection, "
+                     f"{r['evaluations']} sets in {r['seconds']:.0f} s (load {r['loadavg_1min']:.1f}); unit "
+                     f"costs x t(1): fixed {u['fixed']:.3f}, attention {u['attention']:.3f}, MLP "
+                     f"{u['mlp']:.3f}; best of the path:")
+        for c in sorted(r["path"], key=lambda c: -c["speedup"])[:top]:
+            mark = "  <- chosen" if c == r["chosen"] else ""
+            lines.append(f"    skip attn {c['skip_attn']} mlp {c['skip_mlp']}: acceptance {c['alpha']:.3f}, "
+                         f"cost {c['cost']:.3f}, predicted speedup {c['speedup']:.2f} "
+                         f"(gamma {c['gamma']}){mark}")
+    for f in sorted((cache_root() / "layerskip").glob("*/report.json")):
+        r = json.loads(f.read_text())
+        per = f", {r['seconds_per_step']:.2f} s/step" if "seconds_per_step" in r else ""
+        lines.append(f"  layerskip variant [{f.parent.name}]: {r['recipe']['steps']} steps x "
+                     f"{r['recipe']['batch_size']}x{r['recipe']['seq_len']} tokens, "
+                     f"{r['train_seconds']:.0f} s{per} (load {r['loadavg_1min']:.1f})")
+        for kind, both in r["heldout"].items():
+            cells = "  ".join(f"{name} " + "/".join(f"{x:.0f}" for x in m["ppl_by_exit"])
+                              for name, m in both.items())
+            lines.append(f"    {kind:5s} held-out ppl by exit (layers 1..L): {cells}")
+    return "\n".join(lines) or "  self-drafting: no skip-set search or LayerSkip variant cached yet"
+
+
 def retime(paths: ZooPaths, name: str) -> dict:
     """Re-measure t(n) of the built target and draft; write it into report.json atomically."""
     import torch
@@ -111,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if not args.json:
         print(heads_report(paths))
+        print(self_spec_report())
     print(f"  dirs: target={paths.target_dir}\n        draft={paths.draft_dir}\n"
           f"        tokenizer={paths.tokenizer_dir}")
     return 0

@@ -30,15 +30,20 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from methods.zoo.identity import doc_key, weights_fingerprint
 
-VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cached variants)
+VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cached variants). Not computing
+# the exits of zero weight left the loss and the random draws as they were: same key
 
 
 @dataclass(frozen=True)
 class LayerSkipRecipe:
-    """Continued-training recipe. Sized for ~4 min of a quiet 2-core machine (~0.6 s per step); on the
-    shared machine at load ~24 these 400 steps took 3324 s (40 steps: 712 s at load ~18). Held-out code:
-    final-layer ppl 82.8 -> 82.6, exit after layer 2 (E=2) ppl 720 -> 154 and greedy agreement with the
-    last layer 0.25 -> 0.43 (prose: final ppl 138 -> 149, E=2 agreement 0.35 -> 0.45)."""
+    """Continued-training recipe. 400 steps of 4 x 256 tokens took 3324 s at load ~24 (8.3 s/step; 0.58
+    s/step quiet with 1 thread: ~4 min of training, within the zoo's ~9 min quiet build); held-out code:
+    final-layer ppl 82.8 -> 82.6, exit after layer 2 (E=2) ppl 720 -> 154, greedy agreement with the last
+    layer 0.25 -> 0.43. Only the exits the curriculum weights are computed (one LM head + cross-entropy over
+    4096 tokens costs about a layer; exit 0 is never weighted): same loss, cheaper steps. Tried: 240 steps
+    (574 s at load ~11, 2.4 s/step) lost quality — code final ppl 90.0, E=2 ppl 169, agreement 0.41; prose
+    final 157.7 — the updates are what is scarce (methods.zoo.train); 400 steps of 4 x 128 tokens (0.30
+    s/step quiet) did not finish training at load ~30-50."""
 
     steps: int = 400
     batch_size: int = 4
@@ -72,9 +77,11 @@ def exit_weights(n_layers: int, e_scale: float, step: int, steps: int) -> list[f
 
 
 def exit_logits(model: PreTrainedModel, x: torch.Tensor, drop: list[float] | None = None,
-                generator: torch.Generator | None = None) -> list[torch.Tensor]:
+                generator: torch.Generator | None = None, wanted: list[bool] | None = None
+                ) -> list[torch.Tensor | None]:
     """(B, T) ids → per layer l, the logits (B, T, V) of the early exit after layer l (norm + LM head on its
-    output). ``drop``: per-layer dropout rates (training): a dropped layer passes its input on."""
+    output). ``drop``: per-layer dropout rates (training): a dropped layer passes its input on. ``wanted``:
+    the exits to compute (None for the others: training skips the exits its curriculum weights 0)."""
     base = model.model
     b, t = x.shape
     h = base.embed_tokens(x)
@@ -88,7 +95,7 @@ def exit_logits(model: PreTrainedModel, x: torch.Tensor, drop: list[float] | Non
             keep = torch.rand(b, generator=generator) >= drop[i]  # (B,) per sequence
             out = torch.where(keep.to(x.device)[:, None, None], out, h)
         h = out
-        outs.append(model.lm_head(base.norm(h)))
+        outs.append(model.lm_head(base.norm(h)) if wanted is None or wanted[i] else None)
     return outs
 
 
@@ -177,6 +184,7 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
     drop = drop_rates(n_layers, recipe.p_max)
     losses = []
     model.train()
+    data_s, train_start = time.perf_counter() - start, time.perf_counter()
     with ThreadGovernor().active() as governor:
         for step in range(recipe.steps):
             governor.update(step)
@@ -184,7 +192,7 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
             x = torch.stack([stream[s : s + recipe.seq_len] for s in starts.tolist()])  # (B, T)
             eps = exit_weights(n_layers, recipe.e_scale, step, recipe.steps)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.train_dtype == "bfloat16"):
-                outs = exit_logits(model, x, drop, gen)
+                outs = exit_logits(model, x, drop, gen, wanted=[w > 0 for w in eps])
                 ces = [F.cross_entropy(o[:, :-1].float().flatten(0, 1), x[:, 1:].flatten()) if w else None
                        for o, w in zip(outs, eps)]
                 loss = sum(w * ce for w, ce in zip(eps, ces) if ce is not None)
@@ -195,13 +203,13 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
             sched.step()
             losses.append(ces[-1].item())
     model.eval()
-    seconds = time.perf_counter() - start
+    seconds, step_s = time.perf_counter() - start, (time.perf_counter() - train_start) / recipe.steps
     model.to(target.dtype).save_pretrained(str(out / "model"))
     tail = losses[-max(1, recipe.steps // 10) :]
     report = {"recipe": dataclasses.asdict(recipe), "train_seconds": seconds, "drop_rates": drop,
               "final_train_loss": sum(tail) / len(tail), "params_trained": sum(p.numel() for p in
                                                                                 model.parameters()),
-              "loadavg_1min": os.getloadavg()[0]}
+              "loadavg_1min": os.getloadavg()[0], "data_seconds": data_s, "seconds_per_step": step_s}
     report["heldout"] = exit_report(target, model, tokenizer, recipe.eval_tokens)
     return report
 
@@ -236,10 +244,13 @@ def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
             "greedy_agreement_by_exit": [v / count for v in agree], "tokens": count}
 
 
-def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8) -> list[dict]:
+def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8,
+                draft_cost: dict[int, float] | None = None) -> list[dict]:
     """Rank exit layers E = 1..L-1 by predicted speedup on this device: α_E = the exit's greedy agreement
-    with the last layer (held out, position by position), draft step ρ = E / L of t(1), the shared-cache
-    verify (1 - ρ)·t(γ+1) + ρ·t(1) (specsim.cost), τ = (1 - α^{γ+1}) / (1 - α); best γ per E."""
+    with the last layer (held out, position by position), the draft step ρ_E·t(1) with ρ_E timed on this
+    device (``draft_cost``: :func:`exit_costs`; E / L when not given), the verify t(γ+1) less the shared
+    cache's layers [0, E) of the drafted nodes (ρ_v = E / L, specsim.cost), τ = (1 - α^{γ+1}) / (1 - α);
+    best γ per E."""
     import numpy as np
 
     n_layers = len(agreement)
@@ -247,12 +258,48 @@ def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 
     t = lambda n: float(np.interp(n, sizes, [t_n[s] for s in sizes]))  # noqa: E731
     rows = []
     for e in range(1, n_layers):
-        alpha, rho = min(agreement[e - 1], 0.999), e / n_layers
-        step = [g * rho * t(1) + (1 - rho) * t(g + 1) + rho * t(1) for g in range(1, max_gamma + 1)]
+        alpha, share = min(agreement[e - 1], 0.999), e / n_layers
+        rho = draft_cost[e] if draft_cost else share
+        step = [g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in range(1, max_gamma + 1)]
         best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in enumerate(step, 1))
         rows.append({"exit_layer": e, "alpha": agreement[e - 1], "rho": rho, "speedup": best[0],
                      "gamma": best[1]})
     return sorted(rows, key=lambda r: -r["speedup"])
+
+
+@torch.inference_mode()
+def exit_costs(model: PreTrainedModel, context: torch.Tensor, reps: int = 15) -> dict[int, float]:
+    """ρ_E for E = 1..L-1, timed on this device: the early-exit draft step (layers [0, E), the final norm and
+    the LM head over one token after ``context``, as the drafter runs it) over the full single-token step,
+    medians of ``reps`` interleaved rounds. The per-forward overhead that E / L leaves out is in it."""
+    import statistics
+
+    from methods.core.engine import ModelEngine
+    from methods.core.fast_llama import SubLayers
+
+    engine = ModelEngine(model)
+    engine.prefill(context[:-1])
+    n_layers = model.config.num_hidden_layers
+    subs = {e: SubLayers(stop=e) for e in range(1, n_layers)} | {n_layers: None}
+    ratios: dict[int, list[float]] = {e: [] for e in range(1, n_layers)}
+    for r in range(reps + 1):
+        times = {}
+        for e, sub in subs.items():
+            t0 = time.perf_counter()
+            engine.extend(context[-1:], [-1], last_only=True, sub=sub)
+            times[e] = time.perf_counter() - t0
+            engine.drop_pending()
+        if r:  # the first round warms up
+            for e in ratios:
+                ratios[e].append(times[e] / times[n_layers])
+    return {e: statistics.median(v) for e, v in ratios.items()}
+
+
+def heldout_context(tokenizer, tokens: int = 256) -> torch.Tensor:
+    """Held-out code tokens: the KV cache the timed draft steps attend to."""
+    from methods.zoo.quality import heldout_stream
+
+    return torch.as_tensor(heldout_stream(tokenizer, "code")[:tokens], dtype=torch.long)
 
 
 def main() -> int:
@@ -265,10 +312,13 @@ def main() -> int:
     from specsim.config import ModelConfig
 
     models = load_models(ModelConfig(), "cpu", "bfloat16")
-    report = json.loads((ensure_layerskip(models.target, models.tokenizer, LayerSkipRecipe())
-                         / "report.json").read_text())
+    path = ensure_layerskip(models.target, models.tokenizer, LayerSkipRecipe())
+    report = json.loads((path / "report.json").read_text())
+    per_step = report.get("seconds_per_step")
     print(f"LayerSkip variant: {report['train_seconds']:.0f} s of continued training "
-          f"({report['recipe']['steps']} steps, load {report['loadavg_1min']:.1f}), drop rates "
+          f"({report['recipe']['steps']} steps"
+          + (f", {per_step:.2f} s/step, data {report['data_seconds']:.0f} s" if per_step else "")
+          + f", load {report['loadavg_1min']:.1f}), drop rates "
           f"{[round(p, 3) for p in report['drop_rates']]}")
     for kind, both in report["heldout"].items():
         for name, r in both.items():
@@ -276,10 +326,19 @@ def main() -> int:
                   f"agreement with its last layer {[round(x, 3) for x in r['greedy_agreement_by_exit']]}")
     zoo = json.loads(ensure_zoo("default").report_path.read_text())
     t_n = {int(k): v for k, v in zoo["t_n"]["target_ms"].items()}
-    for name in ("layerskip", "plain"):
-        ranked = choose_exit(report["heldout"]["code"][name]["greedy_agreement_by_exit"], t_n)
-        print(f"  exit layers for the {name} model (code), best first: " + "; ".join(
-            f"E={r['exit_layer']} α={r['alpha']:.3f} γ={r['gamma']} S={r['speedup']:.2f}" for r in ranked))
+    torch.set_num_threads(1)  # as the measured runs (threads=1)
+    context = heldout_context(models.tokenizer)
+    for name, model in (("layerskip", load_variant(path)), ("plain", models.target)):
+        costs = exit_costs(model.to(models.dtype), context)
+        print(f"  {name}: draft step rho_E timed on this device (threads=1, load {os.getloadavg()[0]:.1f}): "
+              + " ".join(f"E={e}:{c:.3f} (E/L {e / (len(costs) + 1):.3f})"
+                         for e, c in costs.items()))
+        for kind in ("code", "prose"):
+            ranked = choose_exit(report["heldout"][kind][name]["greedy_agreement_by_exit"], t_n,
+                                 draft_cost=costs)
+            print(f"    exit layers for the {name} model ({kind}), best first: " + "; ".join(
+                f"E={r['exit_layer']} α={r['alpha']:.3f} ρ={r['rho']:.2f} γ={r['gamma']} S={r['speedup']:.2f}"
+                for r in ranked))
     sys.stdout.flush()
     return 0
 

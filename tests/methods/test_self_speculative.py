@@ -128,6 +128,12 @@ def test_exit_layers_are_ranked_by_predicted_speedup():
     ranked = choose_exit([0.1, 0.9, 0.95, 0.97, 0.98, 1.0], flat)
     assert [r["exit_layer"] for r in ranked][:2] == [2, 3] and ranked[-1]["exit_layer"] == 1
     assert ranked == sorted(ranked, key=lambda r: -r["speedup"])
+    # timed draft steps (exit_costs) replace E / L: a per-forward overhead makes shallow exits dearer
+    agreement = [0.5, 0.55, 0.95, 0.97, 0.98, 1.0]
+    assert choose_exit(agreement, flat)[0]["exit_layer"] == 3
+    timed = {1: 0.45, 2: 0.5, 3: 0.9, 4: 0.95, 5: 0.97}
+    ranked = choose_exit(agreement, flat, draft_cost=timed)
+    assert {r["exit_layer"]: r["rho"] for r in ranked} == timed and ranked[0]["exit_layer"] != 3
     assert drop_rates(6, 0.2)[0] == 0 and drop_rates(6, 0.2)[-1] == pytest.approx(0.2)
     first, last = exit_weights(6, 0.2, 0, 400), exit_weights(6, 0.2, 399, 400)
     assert first == [0, 0, 0, 0, 0, 1.0] and sum(last) == pytest.approx(1) and all(w > 0 for w in last[1:])

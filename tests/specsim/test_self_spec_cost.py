@@ -22,3 +22,11 @@ def test_no_reuse_is_the_plain_forward():
     tree = Tree.kary(2, 2)
     assert CostModel(T, DraftCost()).tree_verify_time(tree) == pytest.approx(float(T.time(tree.size)))
     assert CostModel(T, DraftCost(), 0.5).tree_verify_time(Tree.chain(0)) == 1.0  # nothing drafted
+
+
+def test_calibrated_saving_replaces_the_layer_share():
+    """A measured shared-cache saving (verify_saving, t_AR units) prices the verify; ρ_v is then unused."""
+    chain = Tree.chain(3)
+    cost = CostModel(T, DraftCost(ratio=0.3), verify_reuse=0.9, verify_saving=0.05)
+    assert cost.tree_verify_time(chain) == pytest.approx(1.6 - 0.05 * 1.0)
+    assert cost.tree_verify_time(Tree.chain(0)) == 1.0  # nothing drafted: nothing to reuse

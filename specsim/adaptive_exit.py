@@ -1,0 +1,215 @@
+"""Draft & Verify's adaptive draft-exit (Zhang et al. 2023, Algorithm 2) in the simulator: the law of the
+draft length, the accepted length and the draft forwards of a chain drafted under the exit rule, and the
+rule's threshold over a run.
+
+Notation: p = target, q = draft, γ = the longest draft, c = q's confidence in its drafted token (top-1
+probability at temperature 0), a = whether p accepts that token, γ_th = the exit threshold. The draft's first
+token is always kept; drafting goes on to depth d ≥ 2 only while c_d ≥ γ_th. A forward that falls below the
+threshold has been paid for, so a draft of k < γ tokens costs k + 1 draft forwards (γ when it runs to γ).
+
+Positions are taken as independent draws of (c, a) from a calibrated :class:`ConfidenceTable` (the draft's
+confidence histogram with the acceptance rate in each bin, measured along the target's own generations). With
+s = P(c ≥ γ_th), β = P(c ≥ γ_th, a) and α_1 = P(a):
+    P(k ≥ d) = s^{d-1},   P(accepted ≥ d) = α_1·β^{d-1}   (d = 1..γ),   E[forwards] = 1 + Σ_{d=2}^{γ} s^{d-2}.
+The rule after each step (AR = accepted / drafted of that step):
+    AR~ <- β1·AR~ + (1-β1)·AR;  γ~ = γ_th + ε if AR~ < α_target else γ_th - ε;  γ_th <- β2·γ_th + (1-β2)·γ~,
+clipped to [0, 1]. :func:`threshold_path` follows it in expectation, step by step over a run's tokens: each
+step moves γ_th by its expected change at the current law (:func:`drift`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specsim.cost import CostModel
+from specsim.tree import Tree
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    """The draft-exit threshold's initial value and its update (module docstring); the drafter's own rule."""
+
+    threshold: float = 0.6
+    adaptive: bool = True
+    target_acceptance: float = 0.8  # α_target
+    step: float = 0.01  # ε
+    beta1: float = 0.5
+    beta2: float = 0.9
+
+
+def next_state(rule: ExitRule, threshold: float, smoothed: float, rate: float) -> tuple[float, float]:
+    """One update of the rule: (γ_th, AR~) after a step whose acceptance rate was ``rate``."""
+    smoothed = rule.beta1 * smoothed + (1 - rule.beta1) * rate
+    moved = threshold + (rule.step if smoothed < rule.target_acceptance else -rule.step)
+    return min(1.0, max(0.0, rule.beta2 * threshold + (1 - rule.beta2) * moved)), smoothed
+
+
+@dataclass(frozen=True)
+class ConfidenceTable:
+    """The draft's confidence histogram: bins [edges[i], edges[i+1]) of c with their probability mass and the
+    acceptance rate of the positions in them (c uniform within a bin)."""
+
+    edges: tuple[float, ...]  # len = bins + 1, ascending, from 0 to 1
+    mass: tuple[float, ...]  # sums to 1
+    accept: tuple[float, ...]  # P(a | bin)
+
+    def __post_init__(self) -> None:
+        assert len(self.edges) == len(self.mass) + 1 == len(self.accept) + 1, "edges, mass, accept mismatch"
+        assert abs(sum(self.mass) - 1) < 1e-6, f"bin masses sum to {sum(self.mass)}"
+        assert all(0 <= a <= 1 for a in self.accept), "acceptance rates outside [0, 1]"
+
+    @classmethod
+    def from_samples(cls, confidence: Sequence[float], accepted: Sequence[bool], bins: int = 50
+                     ) -> ConfidenceTable:
+        c, a = np.clip(np.asarray(confidence, float), 0, 1), np.asarray(accepted, float)
+        assert c.size and c.size == a.size, "need as many acceptances as confidences"
+        edges = np.linspace(0, 1, bins + 1)
+        idx = np.minimum((c * bins).astype(int), bins - 1)
+        count = np.bincount(idx, minlength=bins)
+        hits = np.bincount(idx, weights=a, minlength=bins)
+        rate = np.divide(hits, count, out=np.zeros(bins), where=count > 0)
+        return cls(tuple(edges.tolist()), tuple((count / c.size).tolist()), tuple(rate.tolist()))
+
+    @property
+    def alpha(self) -> float:
+        """α_1 = P(a): acceptance of a token drafted whatever its confidence (the first one)."""
+        return float(np.dot(self.mass, self.accept))
+
+    def above(self, threshold: float) -> tuple[float, float]:
+        """(s, β) = (P(c ≥ γ_th), P(c ≥ γ_th and a)): the bin holding γ_th counts for its share above it."""
+        lo, hi = np.asarray(self.edges[:-1]), np.asarray(self.edges[1:])
+        share = np.clip((hi - threshold) / (hi - lo), 0, 1)
+        mass = np.asarray(self.mass) * share
+        return float(mass.sum()), float(np.dot(mass, self.accept))
+
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """n i.i.d. (c, a) draws (the Monte Carlo check of the law)."""
+        b = rng.choice(len(self.mass), size=n, p=np.asarray(self.mass) / sum(self.mass))
+        lo, hi = np.asarray(self.edges)[b], np.asarray(self.edges)[b + 1]
+        return lo + (hi - lo) * rng.random(n), rng.random(n) < np.asarray(self.accept)[b]
+
+
+@dataclass(frozen=True)
+class ExitLaw:
+    """At one threshold: the joint law of (draft length k, accepted drafts j) and the derived figures."""
+
+    joint: np.ndarray  # (γ + 1, γ + 1): P(k, j), k = 1..γ (row 0 empty), j = 0..k
+    forwards: float  # E[draft forwards]
+
+    @property
+    def drafted(self) -> np.ndarray:
+        """P(k = d), d = 0..γ."""
+        return self.joint.sum(1)
+
+    @property
+    def tau(self) -> float:
+        """E[j] + 1: accepted drafts and the bonus token."""
+        return float(np.dot(self.joint.sum(0), np.arange(self.joint.shape[1]))) + 1.0
+
+    def _rates(self) -> np.ndarray:
+        k = np.arange(self.joint.shape[0])[:, None]
+        j = np.arange(self.joint.shape[1])[None, :]
+        return np.divide(j, k, out=np.zeros(self.joint.shape), where=k > 0)
+
+    @property
+    def rate(self) -> float:
+        """E[j / k]: the per-step acceptance rate the rule reads."""
+        return float((self.joint * self._rates()).sum())
+
+    @property
+    def rate_var(self) -> float:
+        return max(0.0, float((self.joint * self._rates() ** 2).sum()) - self.rate ** 2)
+
+
+def drift(rule: ExitRule, law: ExitLaw) -> float:
+    """E[γ_th change] of one step at this law: (1 - β2)·ε·(P(AR~ < α_target) - P(AR~ ≥ α_target)), AR~ (an
+    exponential average of the steps' rates) taken normal with the rate's mean and the average's variance
+    Var(AR)·(1 - β1) / (1 + β1). Replacing AR~ by its mean instead would move γ_th at full speed whenever the
+    mean is below target, which a noisy AR~ does not."""
+    sd = math.sqrt(law.rate_var * (1 - rule.beta1) / (1 + rule.beta1))
+    z = (rule.target_acceptance - law.rate) / sd if sd > 0 else math.copysign(math.inf, rule.target_acceptance
+                                                                              - law.rate)
+    below = 0.5 * (1 + math.erf(z / math.sqrt(2))) if math.isfinite(z) else float(z > 0)
+    return (1 - rule.beta2) * rule.step * (2 * below - 1)
+
+
+def exit_law(table: ConfidenceTable, threshold: float, gamma: int) -> ExitLaw:
+    """The law of a chain of at most γ drafts under a fixed threshold (module docstring), by a walk over the
+    depths with the state (still drafting, still accepting)."""
+    assert gamma >= 1, f"the longest draft {gamma} must be >= 1"
+    s, beta = table.above(threshold)
+    a1 = table.alpha
+    joint = np.zeros((gamma + 1, gamma + 1))
+    # depth 1 is always drafted: accepted (j = 1 so far) or not (j = 0, stays 0)
+    live = {1: a1, 0: 1 - a1}  # j → P(drafting on to the next depth is still possible, accepted so far j)
+    for d in range(2, gamma + 1):  # depth d is drafted iff c_d ≥ γ_th
+        nxt: dict[int, float] = {}
+        for j, pr in live.items():
+            joint[d - 1, j] += pr * (1 - s)  # stopped: k = d - 1
+            accepting = j == d - 1
+            nxt[j + 1 if accepting else j] = nxt.get(j + 1 if accepting else j, 0) + pr * (beta if accepting
+                                                                                           else s)
+            if accepting:
+                nxt[j] = nxt.get(j, 0) + pr * (s - beta)
+        live = nxt
+    for j, pr in live.items():
+        joint[gamma, j] += pr  # drafted all γ
+    drafted = joint.sum(1)  # a stop after k < γ tokens paid k + 1 forwards; a full draft γ
+    forwards = float(sum(drafted[k] * (k + 1 if k < gamma else gamma) for k in range(1, gamma + 1)))
+    return ExitLaw(joint, forwards)
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """A run under the rule, in expectation: per step its threshold and law."""
+
+    thresholds: tuple[float, ...]
+    laws: tuple[ExitLaw, ...]
+
+    @property
+    def tau(self) -> float:
+        """Tokens per step over the run: Σ τ_s / steps."""
+        return float(np.mean([law.tau for law in self.laws]))
+
+    @property
+    def forwards(self) -> float:
+        return float(np.mean([law.forwards for law in self.laws]))
+
+    @property
+    def draft_length(self) -> float:
+        return float(np.mean([np.dot(law.drafted, np.arange(law.drafted.size)) for law in self.laws]))
+
+    def step_time(self, cost: CostModel) -> float:
+        """Mean seconds per step: the draft forwards at the cost model's draft step and the verify of the
+        chain actually drafted (its expectation over the draft length)."""
+        step = cost.draft.per_depth(cost.ar_time)[0]
+        verify = {k: cost.tree_verify_time(Tree.chain(k)) for k in range(self.laws[0].drafted.size)}
+        return float(np.mean([law.forwards * step + sum(p * verify[k] for k, p in enumerate(law.drafted))
+                              for law in self.laws]))
+
+    def speedup(self, cost: CostModel) -> float:
+        """S = τ · t_AR / t_step over the run (its tokens over its time)."""
+        return self.tau * cost.ar_time / self.step_time(cost)
+
+
+def threshold_path(table: ConfidenceTable, rule: ExitRule, gamma: int, tokens: float,
+                   skip_tokens: float = 0.0) -> RunPrediction:
+    """The rule's threshold step by step (mean field) until ``tokens`` are generated; the steps of the first
+    ``skip_tokens`` (a warm-up the run does not measure) are left out of the result but move the threshold."""
+    th, done = rule.threshold, 0.0
+    kept_th, kept_law = [], []
+    laws: dict[float, ExitLaw] = {}
+    while done < tokens or not kept_law:
+        key = round(th, 6)
+        law = laws.get(key) or laws.setdefault(key, exit_law(table, th, gamma))
+        if done >= skip_tokens:
+            kept_th.append(th)
+            kept_law.append(law)
+        done += law.tau
+        if rule.adaptive:
+            th = min(1.0, max(0.0, th + drift(rule, law)))
+    return RunPrediction(tuple(kept_th), tuple(kept_law))

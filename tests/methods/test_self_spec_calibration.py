@@ -1,0 +1,77 @@
+"""Self-drafting's calibrated pricing (methods.measurement.calibrate, .profiles): LayerSkip's shared-cache
+verify is timed and its saving replaces ρ_v = E / L; Draft & Verify's draft step is priced per draft forward
+(its exit pays a forward beyond a stop) and its τ comes from the draft-exit law over its confidence table."""
+
+from __future__ import annotations
+
+import pytest
+
+from methods.measurement.calibrate import _forwards_per_step, ensure_profile
+from methods.measurement.profiles import apply_profile, exit_prediction, to_measured_cost, tree_predictions
+from specsim.cost import CostModel
+from specsim.tree import Tree
+
+SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=2",
+         "calibration.new_tokens=6", "calibration.depth_prompts=1", "calibration.reps=2",
+         "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_forwards_per_step_from_the_drafters_counters():
+    assert _forwards_per_step((10, 4), (25, 9)) == 3.0
+    assert _forwards_per_step(None, (25, 9)) == 0.0 and _forwards_per_step((3, 2), (3, 2)) == 0.0
+
+
+@pytest.mark.slow
+def test_layerskip_profile_times_the_shared_verify(run_config, tiny_models, cache):
+    cfg = run_config(*SMALL, "method=layerskip", "method.params.exit_layer=1", "method.params.variant=none",
+                     "tree=chain", "tree.gamma=3")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    shared = prof.extra["shared_verify"]
+    assert shared["tokens"] == 4 and shared["ratio"] > 0
+    assert shared["saving_ratio"] == pytest.approx(shared["full_ratio"] - shared["ratio"])
+    priced = apply_profile(cfg, prof)
+    assert priced.method.verify_reuse_ratio == 0  # the arithmetic E / L is replaced by the timed saving
+    assert priced.method.verify_saving_ratio == pytest.approx(min(0.99, max(0.0, shared["saving_ratio"])))
+    chain = Tree.chain(3)
+    cost = CostModel.from_config(priced, to_measured_cost(prof))
+    expected = max(0.0, float(cost.verify_time(4)) - priced.method.verify_saving_ratio * cost.ar_time)
+    assert cost.tree_verify_time(chain) == pytest.approx(expected)
+    here, _ = tree_predictions(cfg, prof, chain)
+    assert here["t_step_s"] == pytest.approx(cost.draft_time(chain) + expected)
+
+
+@pytest.mark.slow
+def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, cache):
+    cfg = run_config(*SMALL, "method=draft_verify", "method.params.skip=config", "method.params.skip_mlp=[0]",
+                     "method.params.gamma=4", "tree=chain", "tree.gamma=4")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    table = prof.extra["exit_confidence"]
+    assert sum(table["mass"]) == pytest.approx(1.0) and table["positions"] == 2 * 6
+    assert 1 <= prof.extra["loop_draft_forwards_per_step"] <= 4  # at most γ forwards per step
+    chain = Tree.chain(4)
+    run = exit_prediction(cfg, prof, chain)
+    here, preset = tree_predictions(cfg, prof, chain)
+    assert here["predicted_tau"] == pytest.approx(run.tau) == pytest.approx(preset["predicted_tau"])
+    assert 1 <= here["predicted_mean_draft_length"] <= 4
+    assert 1 <= here["predicted_draft_forwards_per_step"] <= 4
+    assert here["predicted_tau"] <= 1 + here["predicted_mean_draft_length"]
+    cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof))
+    assert here["predicted_speedup"] == pytest.approx(run.tau * cost.ar_time / run.step_time(cost))
+
+
+def test_prediction_at_the_runs_own_costs():
+    from methods.measurement.measure import at_run_costs
+
+    m = {"baseline_time_s": 11.0, "baseline_time_prefill_s": 1.0, "baseline_n_target_forwards": 100,
+         "time_draft_s": 6.0, "time_verify_s": 4.0, "n_target_forwards": 40, "predicted_tau": 2.5}
+    t_ar, draft, verify = 0.1, 0.15, 0.1  # per token / per step
+    assert at_run_costs(m) == pytest.approx(2.5 * t_ar / (draft + verify))
+    # an adaptive draft length: the run's cost per draft forward at the predicted forwards per step
+    m.update(draft_forwards_per_step=3.0, predicted_draft_forwards_per_step=2.0)
+    assert at_run_costs(m) == pytest.approx(2.5 * t_ar / (draft * 2 / 3 + verify))

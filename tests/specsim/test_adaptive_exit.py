@@ -1,0 +1,109 @@
+"""Draft & Verify's adaptive draft-exit priced by specsim.adaptive_exit: the law of the draft length, the
+accepted length and the draft forwards against a Monte Carlo of the rule itself (the drafter's stop test and
+its threshold update, next_state), and the run's step time under a cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, exit_law, next_state, threshold_path
+from specsim.cost import CostModel, DraftCost, MeasuredCost
+from specsim.tree import Tree
+
+
+def _table(seed: int = 0) -> ConfidenceTable:
+    """Confidences skewed high, acceptance rising with confidence (as a draft's calibration shows)."""
+    rng = np.random.default_rng(seed)
+    c = rng.beta(2, 1, 4000)
+    return ConfidenceTable.from_samples(c, rng.random(4000) < c, bins=20)
+
+
+def _draft(c: np.ndarray, a: np.ndarray, threshold: float) -> tuple[int, int, int]:
+    """The drafter's loop (methods.drafters.draft_verify.propose) on drawn (c, a) per depth: (drafted k,
+    accepted j, forwards)."""
+    k = forwards = 0
+    for d in range(c.size):
+        forwards += 1
+        if d > 0 and c[d] < threshold:
+            break
+        k += 1
+    j = 0
+    while j < k and a[j]:
+        j += 1
+    return k, j, forwards
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.35, 0.72, 1.0])
+def test_exit_law_matches_a_monte_carlo_of_the_rule(threshold):
+    table, gamma, n = _table(), 5, 20000
+    rng = np.random.default_rng(1)
+    c, a = table.sample(n * gamma, rng)
+    runs = np.array([_draft(ci, ai, threshold) for ci, ai in zip(c.reshape(n, gamma), a.reshape(n, gamma))])
+    law = exit_law(table, threshold, gamma)
+    se = runs.std(0) / np.sqrt(n) + 1e-9
+    drafted = np.dot(law.drafted, np.arange(gamma + 1))
+    assert abs(drafted - runs[:, 0].mean()) < 5 * se[0] + 1e-6
+    assert abs(law.tau - 1 - runs[:, 1].mean()) < 5 * se[1] + 1e-6
+    assert abs(law.forwards - runs[:, 2].mean()) < 5 * se[2] + 1e-6
+    rate = (runs[:, 1] / runs[:, 0]).mean()
+    assert law.rate == pytest.approx(rate, abs=0.02)
+    assert law.joint.sum() == pytest.approx(1.0)
+
+
+def test_extreme_thresholds_are_the_plain_chain_and_a_single_draft():
+    table, gamma = _table(), 4
+    alpha = table.alpha
+    free = exit_law(table, 0.0, gamma)  # never stops: Leviathan's chain of γ with α
+    assert free.tau == pytest.approx((1 - alpha ** (gamma + 1)) / (1 - alpha))
+    assert free.forwards == pytest.approx(gamma)
+    one = exit_law(table, 1.0, gamma)  # always stops after the first token, paying a second forward
+    assert one.tau == pytest.approx(1 + alpha) and one.forwards == pytest.approx(2)
+
+
+def test_threshold_path_follows_the_adaptive_rule_in_expectation():
+    """Mean-field path against many Monte Carlo runs of the literal rule (stop test + next_state)."""
+    table, gamma, rule, tokens = _table(), 6, ExitRule(threshold=0.3, target_acceptance=0.8), 600
+    path = threshold_path(table, rule, gamma, tokens)
+    rng = np.random.default_rng(2)
+    taus, finals = [], []
+    for _ in range(60):
+        th, smoothed, done, accepted = rule.threshold, rule.target_acceptance, 0, []
+        while done < tokens:
+            c, a = table.sample(gamma, rng)
+            k, j, _ = _draft(c, a, th)
+            accepted.append(j + 1)
+            done += j + 1
+            th, smoothed = next_state(rule, th, smoothed, j / k)
+        taus.append(np.mean(accepted))
+        finals.append(th)
+    assert path.tau == pytest.approx(np.mean(taus), rel=0.03)
+    assert path.thresholds[-1] == pytest.approx(np.mean(finals), abs=0.03)
+    assert path.thresholds[-1] > rule.threshold  # acceptance below the target raises the threshold
+
+
+def test_fixed_rule_keeps_its_threshold_and_warmup_steps_are_left_out():
+    table = _table()
+    fixed = threshold_path(table, ExitRule(threshold=0.5, adaptive=False), 4, 200)
+    assert set(fixed.thresholds) == {0.5}
+    whole = threshold_path(table, ExitRule(threshold=0.3), 4, 400)
+    measured = threshold_path(table, ExitRule(threshold=0.3), 4, 400, skip_tokens=200)
+    assert len(measured.thresholds) < len(whole.thresholds)
+    assert measured.thresholds[-1] == pytest.approx(whole.thresholds[-1])
+
+
+def test_run_step_time_prices_the_forwards_and_the_drafted_chain():
+    t = MeasuredCost.from_mapping({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7})
+    cost = CostModel(t, DraftCost(ratio=0.4))
+    run = threshold_path(_table(), ExitRule(threshold=0.6, adaptive=False), 3, 100)
+    law = run.laws[0]
+    verify = sum(p * cost.tree_verify_time(Tree.chain(k)) for k, p in enumerate(law.drafted))
+    assert run.step_time(cost) == pytest.approx(law.forwards * 0.4 + verify)
+    assert run.speedup(cost) == pytest.approx(law.tau / (law.forwards * 0.4 + verify))
+
+
+def test_confidence_table_rejects_bad_input():
+    with pytest.raises(AssertionError, match="sum"):
+        ConfidenceTable((0.0, 0.5, 1.0), (0.5, 0.4), (0.5, 0.5))
+    with pytest.raises(AssertionError, match="as many"):
+        ConfidenceTable.from_samples([0.5, 0.6], [True])
