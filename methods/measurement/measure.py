@@ -32,18 +32,22 @@ from methods.core.sampling import SamplingParams
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import backbone_of, build_drafter
+from methods.measurement.batch_cost import load_batch_fit
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.profiles import (
+    apply_profile,
     dynamic_tree_for,
     prediction_metrics,
     profile_config,
     profile_path,
     sequoia_config,
     sequoia_tree_for,
+    to_measured_cost,
     tree_predictions,
 )
 from methods.measurement.staleness import judge_profile
 from methods.models import load_models
+from specsim.batch import predict_at_batch
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
 from specsim.tree import Tree
@@ -192,6 +196,8 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
+    if w.batch_size > 1:
+        predictions.update(batch_prediction(cfg, profile, sequoia_tree or tree, predictions))
     metrics.update(predictions)
     if "predicted_tau" in metrics and metrics["n_target_forwards"] and metrics["baseline_n_target_forwards"]:
         metrics["predicted_speedup_at_run_costs"] = at_run_costs(metrics)
@@ -246,8 +252,28 @@ def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, 
         # the step's time outside the target forward (drafting, verification, bookkeeping), decode only
         "outside_forward_fraction": 1 - method.forward_s / max(method.seconds - method.prefill_s, 1e-12),
         "baseline_outside_forward_fraction": 1 - base.forward_s / max(base.seconds - base.prefill_s, 1e-12),
-        "prediction_batch_size": 1,  # predicted_* are for one sequence: the batch-aware model is pending
     }
+
+
+def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str, Any]) -> dict[str, Any]:
+    """The simulator at the run's batch size B (specsim.batch.predict_at_batch): the profile's measured t(n)
+    grown with B by this device's stored t(B, n) fit (methods.measurement.batch_cost; `python
+    benchmarks/batch_cost.py` calibrates it), else by the hardware roofline's growth (``batch_cost_source``
+    says which). ``predicted_tau`` / ``predicted_speedup`` become S(B), the batched speculative step over the
+    batched autoregressive step; the one-sequence prediction's keys stay under ``*_batch1``."""
+    fit = load_batch_fit(cfg)
+    pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
+    pred = predict_at_batch(pcfg, cost, fit, tree=tree)
+    out = {f"{k}_batch1": v for k, v in one_sequence.items()
+           if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
+                    "predicted_tokens_per_forward")}
+    out.update({k: None for k in ("predicted_decode_speedup", "predicted_tokens_per_forward")})
+    out.update(predicted_tau=pred.predicted_tau, predicted_speedup=pred.predicted_speedup,
+               prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
+               predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
+               ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
+               batch_cost_source="fit" if fit is not None else "roofline growth")
+    return out
 
 
 def at_run_costs(m: dict[str, Any]) -> float:
