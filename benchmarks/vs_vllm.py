@@ -10,8 +10,9 @@ vanilla chain (γ), prompt lookup, and specsim's best method: every candidate of
 (staged, Medusa, EAGLE-1/2/3, Sequoia trees, ...; those that train on first use only with --drafters) raced
 on calibration-split prompts, the fastest then timed with the others on the measured prompts. vLLM's engine
 processes get Intel OpenMP preloaded (LD_PRELOAD of the venv's libiomp5.so, as vLLM asks for speculative
-decoding on CPU; --iomp off to compare). Batch 16 runs vLLM's paths; specsim's batched loop (issue 16) joins
-when it exists. Token equality is checked between the two engines' plain decoding (exact in float32: --dtype
+decoding on CPU; --iomp off to compare). Batch 16 runs vLLM's paths and, where this checkout has issue 16's
+batched loop (methods.core.batch_loop), specsim's batched autoregressive and vanilla chains (static
+batches). Token equality is checked between the two engines' plain decoding (exact in float32: --dtype
 float32) and within each engine between speculative and plain output. The last line printed is one JSON
 object. Without vLLM installed it says how to install it and exits 0.
 """
@@ -103,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(LD_PRELOAD {preloaded or 'not set: vLLM preloads its libgomp'})", flush=True)
     torch.set_num_threads(1)  # vLLM's worker holds the other core (its default CPU binding)
     os.environ.pop("LD_PRELOAD", None)
-    specsim, race = specsim_paths(cfg, args)
+    specsim, race, ctx = specsim_paths(cfg, args)
     prompts = [p.token_ids for p in load(cfg, ck)]
     results: list[Path_] = []
     for b in args.batch_sizes:
-        results += run_batch(b, prompts, vllm, specsim if b == 1 else {}, args.max_new)
+        results += run_batch(b, prompts, vllm, specsim if b == 1 else batch_paths(ctx, args, b), args.max_new)
     report(results, race, args, preloaded)
     return 0
 
@@ -168,7 +169,7 @@ def eagle_heads(args) -> dict:
 
 
 # ---- specsim's side ---------------------------------------------------------------------------------------
-def specsim_paths(cfg, args) -> tuple[dict, list[tuple[str, float, float]]]:
+def specsim_paths(cfg, args) -> tuple[dict, list[tuple[str, float, float]], Context]:
     """name → callable(prompt ids) -> (tokens, target forwards): specsim's autoregressive, vanilla and prompt
     lookup paths and the race's winner; and the race (candidate, tokens/s, τ on calibration prompts)."""
     import dataclasses
@@ -201,7 +202,38 @@ def specsim_paths(cfg, args) -> tuple[dict, list[tuple[str, float, float]]]:
     if scores:
         best = max(scores, key=lambda s: s[1])[0]
         paths[best] = dict(race)[best]
-    return paths, scores
+    return paths, scores, ctx
+
+
+def batch_paths(ctx: Context, args, batch: int) -> dict:
+    """specsim's batched loop (issue 16: methods.core.batch_loop) at this batch size, where this checkout
+    has it: batched autoregressive and vanilla chains, one call per chunk of prompts; else none."""
+    import importlib.util
+
+    if importlib.util.find_spec("methods.core.batch_loop") is None:
+        return {}
+    import torch
+    from methods.core.batch_drafter import batched
+    from methods.core.batch_engine import BatchEngine
+    from methods.core.batch_loop import decode_batch
+
+    from methods.drafters.autoregressive import Autoregressive
+    from methods.drafters.registry import build_drafter
+    from specsim.tree import Tree
+
+    engine = BatchEngine(ctx.models.target, batch)
+    sides = {"specsim batched autoregressive": batched(Autoregressive(), batch)}
+    if ctx.models.draft is not None:
+        method = method_config(ctx, ("method=vanilla", "tree=chain"), {})
+        vanilla = build_drafter(method, Tree.chain(args.gamma), ctx.models, ctx.opts.sampling)
+        sides["specsim batched vanilla"] = batched(vanilla, batch)
+
+    def runner(side):
+        def run(chunk: list[list[int]]) -> tuple[list[list[int]], int]:
+            r = decode_batch(engine, side, [torch.tensor(ids) for ids in chunk], ctx.opts, torch.Generator())
+            return [res.token_ids for res in r.results], r.row_steps
+        return run
+    return {name: runner(side) for name, side in sides.items()}
 
 
 def runner(ctx: Context, overrides, tree, params):
@@ -241,7 +273,7 @@ def run_batch(batch: int, prompts: list[list[int]], vllm: dict, specsim: dict, m
     for engine in vllm.values():  # warm-up at this batch size
         engine.generate(prompts[:batch], 8)
     for run in specsim.values():
-        run(prompts[0][:16])
+        run([prompts[0][:16]] * batch if batch > 1 else prompts[0][:16])
     for i in range(0, len(prompts) - batch + 1, batch):
         chunk = prompts[i : i + batch]
         for name, engine in vllm.items():
@@ -254,12 +286,13 @@ def run_batch(batch: int, prompts: list[list[int]], vllm: dict, specsim: dict, m
             p.accepted += gen.counters.accepted
         for name, run in specsim.items():
             p = paths[name]
-            for ids in chunk:
+            for ids in ([chunk] if batch > 1 else chunk):  # batched loop: the chunk at once
                 t0 = time.perf_counter()
                 toks, steps = run(ids)
                 p.seconds.append(time.perf_counter() - t0)
-                p.tokens, p.steps = p.tokens + len(toks), p.steps + steps
-                p.outputs.append(toks)
+                rows = toks if batch > 1 else [toks]
+                p.tokens, p.steps = p.tokens + sum(map(len, rows)), p.steps + steps
+                p.outputs += rows
     return list(paths.values())
 
 
@@ -279,13 +312,15 @@ def report(results: list[Path_], race: list, args, preloaded: str | None) -> Non
     out: dict = {"workload": args.workload, "dtype": args.dtype, "gamma": args.gamma,
                  "vllm_iomp_preloaded": bool(preloaded), "loadavg_1min": round(os.getloadavg()[0], 2)}
     for p in results:
-        plain = by.get(("vllm plain" if p.engine == "vllm" else "specsim autoregressive", p.batch))
+        ar = "specsim autoregressive" if p.batch == 1 else "specsim batched autoregressive"
+        plain = by.get(("vllm plain" if p.engine == "vllm" else ar, p.batch))
         eq = equal_rate(p, plain) if plain else float("nan")
         print(f"{p.name:48s} {p.batch:5d} {p.tokens_per_s:9.1f} {p.tau:6.2f} {eq:8.2f} "
               f"{omp if p.engine == 'vllm' else 'gomp':>6s}")
         out[f"{p.name} b{p.batch}"] = {"tokens_per_s": round(p.tokens_per_s, 1), "tau": round(p.tau, 3),
                                        "equal_to_plain": eq}
-    if any(b > 1 for b in args.batch_sizes):
+    batched_specsim = any(p.engine == "specsim" and p.batch > 1 for p in results)
+    if any(b > 1 for b in args.batch_sizes) and not batched_specsim:
         print(BATCH_LOOP_MISSING)
         out["specsim_batch16"] = BATCH_LOOP_MISSING
     out["race_calibration"] = {n: {"tokens_per_s": round(t, 1), "tau": round(tau, 3)} for n, t, tau in race}

@@ -116,12 +116,6 @@ def eagle_cached(models, ep, variant: str) -> bool:
     return (_cache_root() / "eagle" / key / "report.json").exists()
 
 
-def vllm_profile(profile: Profile, t1: float, draft_step: float) -> Profile:
-    """The specsim profile's ratios (t(n)/t(1), verification overhead/t(1)) anchored on vLLM's plain step
-    ``t1``, with vLLM's own draft step."""
-    return dataclasses.replace(profile.with_t1(t1), draft_ratio=draft_step / t1)
-
-
 def draft_cost_inside(profile: Profile, t1: float, t_spec: float, gamma: int, per_token: bool) -> float:
     """vLLM's drafting cost inside speculation (seconds per draft token, or per step for a single-pass
     drafter): what the speculative engine's step ``t_spec`` costs beyond verifying γ+1 tokens,

@@ -252,7 +252,7 @@ def test_vllm_export_round_trips_through_our_loader(tiny_models, tmp_path, varia
 
 
 def test_vllm_export_marks_a_head_on_the_top_layer_inexact(tiny_models, tmp_path):
-    """vLLM taps a layer's residual before the final norm; our top layer is after it: not exportable exactly."""
+    """vLLM taps a layer's residual before the final norm, our top layer is after it: not exact."""
     from methods.heads.eagle.vllm_export import export_for_vllm
 
     target = tiny_models.target
