@@ -138,7 +138,8 @@ def vllm_engines(args, ck) -> dict:
     vLLM's layout; --eagle train trains them)."""
     from methods.measurement.vllm_engine import VllmEngine, VllmSettings, plan_for
 
-    settings = VllmSettings(dtype=args.dtype, enforce_eager=args.enforce_eager)
+    # a quarter GiB of KV cache holds a batch of 16 on the zoo target many times over; five engines at once
+    settings = VllmSettings(dtype=args.dtype, enforce_eager=args.enforce_eager, kv_cache_gib=0.25)
     plans = {"vllm plain": plan_for("autoregressive", 0, None),
              "vllm ngram": plan_for("prompt_lookup", args.gamma, None, {"max_ngram": args.ngram})}
     if ck.draft_dir:

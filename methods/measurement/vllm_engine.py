@@ -65,7 +65,7 @@ def preload_intel_openmp() -> str | None:
 class VllmSettings:
     dtype: str = "bfloat16"
     max_model_len: int = 1024
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: KV cache reserved on CPU
+    kv_cache_gib: float = 1.0  # KV cache reserved (kv_cache_memory_bytes; on CPU: VLLM_CPU_KVCACHE_SPACE's)
     memory_fraction: float = 0.15  # gpu_memory_utilization (on CPU: share of RAM it may reserve)
     enforce_eager: bool = False  # True skips torch.compile at start-up (faster start, slower steps)
     seed: int = 0
@@ -151,13 +151,13 @@ class VllmEngine:
     def __init__(self, target_dir: str, plan: SpecPlan, settings: VllmSettings = VllmSettings()):
         if not available():
             raise RuntimeError(INSTALL_HINT)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         from vllm import LLM  # noqa: PLC0415 (optional dependency, imported when an engine starts)
 
         t0 = time.perf_counter()
         self.plan = plan
         self.llm = LLM(model=target_dir, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
+                       kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
                        speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
         self.startup_s = time.perf_counter() - t0
         self._seen = Counters()
