@@ -194,7 +194,7 @@ def _check_engine(cfg: RunConfig) -> None:
     """engine=vllm measures the methods vLLM implements; specsim's own loop decodes batches with the drafters
     that batch (methods.drafters.registry.BATCHABLE)."""
     if cfg.engine.name == "vllm":
-        from methods.measurement.vllm_engine import VLLM_METHODS  # no vLLM import: a plain table
+        from methods.measurement.vllm_engine import CHAIN_OF_DEPTH, VLLM_METHODS  # no vLLM import
 
         if cfg.task != Task.measure:
             raise ConfigError(f"engine.name: engine=vllm runs task=measure only, not task={cfg.task.value}")
@@ -203,7 +203,8 @@ def _check_engine(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"engine.name: vLLM does not implement method={cfg.method.name} (drafter "
                 f"{cfg.method.drafter}); engine=vllm runs: {', '.join(runs)}")
-        if cfg.method.drafter != "autoregressive" and TreeKind(cfg.tree.kind) != TreeKind.chain:
+        chain_only = cfg.method.drafter not in ("autoregressive", *CHAIN_OF_DEPTH)  # EAGLE: its tree's depth
+        if chain_only and TreeKind(cfg.tree.kind) != TreeKind.chain:
             raise ConfigError(f"tree.kind: vLLM speculates with chains; engine=vllm needs tree=chain (the "
                               f"chain's tree.gamma is its num_speculative_tokens), got tree={cfg.tree.name}")
     elif cfg.workload.batch_size > 1:

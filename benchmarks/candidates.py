@@ -48,6 +48,23 @@ class Context:
     compose: Callable
 
 
+def add_race_arguments(ap) -> None:
+    """The command-line options of the race (an argparse parser's), shared by the benchmarks that run it."""
+    ap.add_argument("--chain-gammas", type=int, nargs="*", default=[2, 3, 4, 6])
+    ap.add_argument("--pld-gammas", type=int, nargs="*", default=[4, 10, 16])
+    ap.add_argument("--sequoia-budgets", type=int, nargs="*", default=[8, 16])
+    ap.add_argument("--sequoia-depth", type=int, default=8, help="levels including the root")
+    ap.add_argument("--calibration-prompts", type=int, default=4)
+    ap.add_argument("--medusa", choices=["auto", "train", "off"], default="auto",
+                    help="auto: include Medusa only if heads for this target are cached")
+    ap.add_argument("--medusa-budgets", type=int, nargs="*", default=[16],
+                    help="Medusa's greedy trees (from the heads' measured accuracies) of these sizes")
+    ap.add_argument("--drafters", nargs="*", default=None, help="registered drafters whose candidates race "
+                    "for best (default: those that train nothing on first use; benchmarks/candidates.py)")
+    ap.add_argument("--eagle", choices=["auto", "train", "off"], default="auto",
+                    help="auto: include EAGLE-1/2 (EAGLE-3) only if their heads for this target are cached")
+
+
 def method_config(ctx: Context, overrides: tuple[str, ...], params: dict) -> MethodConfig:
     method = ctx.compose(*ctx.base, *overrides).method
     method.params = {**method.params, **params}

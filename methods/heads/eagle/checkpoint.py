@@ -5,7 +5,8 @@ A directory with ``config.json`` (Llama-style fields of the head) and ``model.sa
 - EAGLE-1 (EAGLE / EAGLE-2 heads): ``fc.{weight,bias}`` (H, 2H: embedding first, then the feature), and one
   decoder layer ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.post_attention_layernorm.weight``,
   ``layers.0.mlp.{gate,up,down}_proj.weight`` (no ``input_layernorm``: EAGLE-1 drops it); a bundled
-  ``embed_tokens.weight`` is ignored (the target's embedding is used).
+  ``embed_tokens.weight`` is ignored (the target's embedding is used), except in vLLM's layout without
+  ``fc.bias``, where it carries the folded bias (methods.heads.eagle.vllm_export).
 - EAGLE-3: ``fc.weight`` (H, 3H), ``midlayer.input_layernorm.weight`` (the embedding's norm),
   ``midlayer.hidden_norm.weight``, ``midlayer.self_attn.*`` (q/k/v read 2H), ``midlayer.post_attention_
   layernorm.weight``, ``midlayer.mlp.*``, ``norm.weight``, ``lm_head.weight`` (Vd, H) and the vocabulary maps
@@ -56,10 +57,8 @@ def _split(ours: str, t: torch.Tensor, cfg: EagleConfig) -> list[torch.Tensor]:
     return [t]
 
 
-def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> Path:
-    """Write ``head`` in its published layout (EAGLE-1 or EAGLE-3) plus our ``meta`` in config.json."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+def published_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The head's weights under their published names (fused projections split row-wise, EAGLE-3's maps)."""
     c, state = head.cfg, head.state_dict()
     tensors = {}
     for ours, pubs in names(c.variant).items():
@@ -70,8 +69,19 @@ def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> P
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[torch.arange(c.draft_vocab_size) + head.d2t.cpu()] = True
         tensors["t2d"] = t2d
+    return tensors
+
+
+def save_eagle(head: EagleHead, path: Path | str, meta: dict | None = None) -> Path:
+    """Write ``head`` in its published layout (EAGLE-1 or EAGLE-3) plus our ``meta`` in config.json."""
+    return write_checkpoint(path, published_tensors(head), _config(head.cfg, meta))
+
+
+def write_checkpoint(path: Path | str, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(_config(c, meta), indent=1))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
 
@@ -106,6 +116,17 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{path}: neither model.safetensors nor pytorch_model.bin")
 
 
+def bias_from_embedding(w: dict[str, torch.Tensor], embed: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's fc bias of a head without one (vLLM's fc has none): b = W_e u where the bundled embedding
+    is the target's shifted by u (the export folds the bias so), else zero (a head trained without bias)."""
+    weight = w["fc.weight"].float()
+    bundled = w.get("embed_tokens.weight")
+    if bundled is None or bundled.shape != embed.shape:
+        return torch.zeros(weight.shape[0])
+    u = (bundled.double() - embed.double()).mean(0)  # every row carries the same shift
+    return (weight[:, : embed.shape[1]].double() @ u).float()
+
+
 def load_eagle(path: Path | str, target: PreTrainedModel) -> tuple[EagleHead, dict]:
     """A head from a published-layout directory, on ``target`` (its embedding, and EAGLE-1's LM head);
     returns (head, our meta from config.json or {}). The layout (EAGLE-1 or EAGLE-3) is read from the
@@ -115,6 +136,8 @@ def load_eagle(path: Path | str, target: PreTrainedModel) -> tuple[EagleHead, di
     w = _weights(path)
     variant = "eagle3" if any(k.startswith("midlayer.") for k in w) else "eagle1"
     layers = tuple((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", ()))
+    if (config.get("specsim") or {}).get("aux_layer_ids") == "vllm":  # vLLM counts from the embeddings
+        layers = tuple(i - 1 for i in layers)
     if variant == "eagle3" and not layers:
         raise ValueError(f"{path}: an EAGLE-3 head needs eagle_config.eagle_aux_hidden_state_layer_ids")
     draft_vocab = int(config.get("draft_vocab_size") or config["vocab_size"])
@@ -126,6 +149,10 @@ def load_eagle(path: Path | str, target: PreTrainedModel) -> tuple[EagleHead, di
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     lm = target.get_output_embeddings().weight.detach().float().cpu()
     head = EagleHead(cfg, embed, lm)
+    if variant == "eagle3" and "d2t" not in w and draft_vocab == cfg.vocab_size:  # vLLM's layout: identity
+        w["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    if variant == "eagle1" and "fc.bias" not in w and "fc.weight" in w:
+        w["fc.bias"] = bias_from_embedding(w, embed)  # vLLM's layout (methods.heads.eagle.vllm_export)
     missing = {p for pubs in names(variant).values() for p in pubs} - set(w)
     if missing:
         raise ValueError(f"{path}: missing weights {sorted(missing)}")
