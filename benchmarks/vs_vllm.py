@@ -214,10 +214,10 @@ def batch_paths(ctx: Context, args, batch: int) -> dict:
     if importlib.util.find_spec("methods.core.batch_loop") is None:
         return {}
     import torch
+
     from methods.core.batch_drafter import batched
     from methods.core.batch_engine import BatchEngine
     from methods.core.batch_loop import decode_batch
-
     from methods.drafters.autoregressive import Autoregressive
     from methods.drafters.registry import build_drafter
     from specsim.tree import Tree

@@ -179,9 +179,8 @@ def test_timers_and_speedups_on_a_fake_clock(run_config, tmp_path, monkeypatch):
     forwards), and the draft time is 0 (the draft model's forwards are free here)."""
     from methods.core import engine as engine_module
     from methods.core import loop as loop_module
-    from methods.measurement import measure as measure_module
-
     from methods.measurement import cost_table, staleness
+    from methods.measurement import measure as measure_module
 
     monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path))
     # the profile must stay cached from the real-clock run: on a busy machine scattered timings are not cached
