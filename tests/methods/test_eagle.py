@@ -61,9 +61,9 @@ def test_decode_cache_matches_the_training_rollout(tiny_models, variant, layers)
         cache.append(h0[0, :7], toks[0, :7])
         cache.append(h0[0, 7:12], toks[0, 7:12])  # rows 0..11 committed; root = seq[12]
         torch.testing.assert_close(cache.last, outs[0][0, 11], rtol=1e-4, atol=1e-5)
-        g1 = cache.feed(cache.last[None], toks[0, 12:13], 1, torch.zeros(1, 0, dtype=torch.bool))
+        g1 = cache.feed(cache.last[None], toks[0, 12:13], 1, torch.tensor([-1]))
         torch.testing.assert_close(g1[0], outs[1][0, 12], rtol=1e-4, atol=1e-5)
-        g2 = cache.feed(g1, toks[0, 13:14], 2, torch.ones(1, 1, dtype=torch.bool))
+        g2 = cache.feed(g1, toks[0, 13:14], 2, torch.tensor([0]))
         torch.testing.assert_close(g2[0], outs[2][0, 13], rtol=1e-4, atol=1e-5)
 
 
