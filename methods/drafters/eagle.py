@@ -49,6 +49,9 @@ class EagleParams:
     ttt_steps: int = 0  # eagle3's training-time test rollout steps
     seed: int = 0
     train: dict = field(default_factory=dict)  # further EagleTrainConfig fields
+    # CPU: the head in the target's dtype with oneDNN-prepacked linears (methods.heads.eagle.head.pack);
+    # false = float32, plain linears (the draft cost before packing, for comparison)
+    pack: bool = True
 
     def train_config(self, variant: str) -> EagleTrainConfig:
         extra = dict(self.train)
@@ -302,10 +305,11 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
         raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
     w = target.get_output_embeddings().weight
     # the target's dtype, with oneDNN-prepacked weights on CPU (bf16 packed: ~1.4x less time per draft level
-    # than float32 unpacked, measured); float32 on a CPU where packing does not work (unpacked bf16 linears
-    # are no faster there). The head's K/V and attention are float32 either way (HeadCache).
+    # than float32 unpacked, measured); float32 where packing is off or does not work (unpacked bf16 linears
+    # are no faster than float32 there). The head's K/V and attention are float32 either way (HeadCache).
     cpu = w.device.type == "cpu"
-    dtype = torch.float32 if cpu and not packing_works(w.dtype) else w.dtype
+    dtype = torch.float32 if cpu and not (ep.pack and packing_works(w.dtype)) else w.dtype
     head = head.to(device=w.device, dtype=dtype).eval()
-    head.pack()
+    if ep.pack:
+        head.pack()
     return head
