@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="more run.py overrides for every rung")
     args = ap.parse_args(argv)
     n = budget(args.k, args.depth)
-    print(f"verification budget: {n} draft tokens (+ root) per step, depth {args.depth}, workload {args.workload}")
+    print(f"verification budget: {n} draft tokens (+ root) per step, depth {args.depth}, "
+          f"workload {args.workload}")
     rows = []
     for name, over in ladder(args.k, args.depth).items():
         run_dir = Path(args.out) / f"{name}-{args.workload}-n{n}-d{args.depth}"

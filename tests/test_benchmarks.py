@@ -176,7 +176,7 @@ def test_every_registered_drafter_competes_for_best():
 
 
 def test_eagle_ladder_rungs_verify_the_same_budget():
-    """benchmarks/eagle_ladder.py: every rung's composed config verifies k + … + k^D draft tokens at depth D."""
+    """benchmarks/eagle_ladder.py: each rung composes to a config verifying k + … + k^D tokens at depth D."""
     from benchmarks.eagle_ladder import budget, ladder
     from run import compose_run_config
     from specsim.tree import Tree

@@ -239,7 +239,8 @@ def test_recipe_keys_of_eagle1_heads_are_unchanged_by_eagle3_only_fields():
     assert "fuse_init" not in d and "feature_weight" not in d  # heads cached before these fields stay valid
     e3 = EagleTrainConfig(variant="eagle3", feature_layers=(1, 3, 5))
     assert e3.to_dict()["fuse_init"] == "top" and e3.feature_loss_weight == 0.0
-    assert EagleTrainConfig(variant="eagle3", feature_layers=(1,), feature_weight=0.5).to_dict()["feature_weight"]
+    weighted = EagleTrainConfig(variant="eagle3", feature_layers=(1,), feature_weight=0.5)
+    assert weighted.to_dict()["feature_weight"] == 0.5 and weighted.feature_loss_weight == 0.5
 
 
 @pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
@@ -271,7 +272,8 @@ def test_a_batched_level_equals_feeding_its_nodes_one_by_one(tiny_models, varian
 @pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
 def test_packed_head_computes_what_the_plain_one_does(tiny_models, variant, layers):
     head = _random_head(tiny_models.target, variant, layers)
-    h = torch.randn(1, 6, head.cfg.n_features * head.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    width = head.cfg.n_features * head.cfg.hidden_size
+    h = torch.randn(1, 6, width, generator=torch.Generator().manual_seed(0))
     toks = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = head.logits(head(head.fuse(h), toks, torch.arange(6)))
