@@ -173,3 +173,23 @@ def test_every_registered_drafter_competes_for_best():
     assert "medusa_typical" not in lossless_presets("medusa")  # typical acceptance is lossy
     assert {"vanilla", "sequoia"} <= set(lossless_presets("draft_model"))
     assert lossless_presets("specinfer") == ["specinfer"]  # the multi-draft preset has its own drafter
+
+
+def test_eagle_ladder_rungs_verify_the_same_budget():
+    """benchmarks/eagle_ladder.py: each rung composes to a config verifying k + … + k^D tokens at depth D."""
+    from benchmarks.eagle_ladder import budget, ladder
+    from run import compose_run_config
+    from specsim.tree import Tree
+
+    assert budget(2, 3) == 14 and budget(3, 2) == 12
+    for k, depth in ((2, 3), (3, 2)):
+        rungs = ladder(k, depth)
+        assert set(rungs) == {"medusa", "eagle", "eagle2", "eagle3"}
+        for name, over in rungs.items():
+            cfg = compose_run_config(*over)
+            assert cfg.method.name == name
+            if cfg.tree.kind.value == "dynamic":
+                assert (cfg.tree.total_tokens, cfg.tree.depth) == (budget(k, depth), depth)
+            else:
+                tree = Tree.kary(cfg.tree.k, cfg.tree.depth)
+                assert (tree.size - 1, tree.depth) == (budget(k, depth), depth)

@@ -47,6 +47,16 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
+# for other small inference-only modules that run next to the target (EAGLE heads)
+packed_linear, pack_weight = _packed_linear, _pack
+
+
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN-prepacked linears work (and agree with ``F.linear``) on this CPU for ``dtype``."""
+    return (dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _probe(dtype))
+
+
 def can_pack(model: PreTrainedModel) -> bool:
     """CPU, bf16/fp32, a oneDNN build whose packed linear works on this CPU and agrees with ``F.linear``
     (probed once on a small weight), and projections under ``PACK_LIMIT_BYTES``."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
+from methods.core.fast_llama import packing_works
 from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, probs
 from methods.drafters.medusa import _draw
@@ -48,6 +49,9 @@ class EagleParams:
     ttt_steps: int = 0  # eagle3's training-time test rollout steps
     seed: int = 0
     train: dict = field(default_factory=dict)  # further EagleTrainConfig fields
+    # CPU: the head in the target's dtype with oneDNN-prepacked linears (methods.heads.eagle.head.pack);
+    # false = float32, plain linears (the draft cost before packing, for comparison)
+    pack: bool = True
 
     def train_config(self, variant: str) -> EagleTrainConfig:
         extra = dict(self.train)
@@ -84,6 +88,7 @@ class EagleDrafter:
         self.needs_hidden_states = head.cfg.variant == "eagle1"
         self.cache = HeadCache(self.head)
         self._sizes = [0, 0]  # dynamic trees: nodes proposed, proposals (for the mean tree size)
+        self._plans: dict[Tree, _Plan] = {}  # static trees (cut to the remaining budget): their levels
 
     @property
     def mean_tree_size(self) -> float | None:
@@ -144,31 +149,32 @@ class EagleDrafter:
     # ---- static trees --------------------------------------------------------------------------------
     def _static(self, root: int, depth: int, ctx: DraftContext) -> Draft:
         tree = _cut(self.tree, depth)
+        plan = self._plans.get(tree) or self._plans.setdefault(tree, _Plan.of(tree))
         N, V = tree.size, self.head.cfg.vocab_size
         tokens = torch.full((N,), root, dtype=torch.long)
         q = torch.zeros(N, V) if self.mode != "topk" else None
         keep = np.ones(N, dtype=bool)
-        g = {0: self.cache.last}
-        logits = {0: self.head.logits(self.cache.last).float()}
-        row: dict[int, int] = {}  # fed node → its pending row
-        kids = tree.children
+        g, z = self.cache.last[None], self.head.logits(self.cache.last[None]).float()  # the fed level's rows
+        slot = {0: 0}  # node → its row in g / z (the last fed level)
         for d in range(1, depth + 1):
-            level = [i for i in range(N) if tree.depths[i] == d - 1 and keep[i] and kids[i]]
-            for p in level:
-                self._fill(p, kids[p], tree, logits[p], tokens, q, keep, ctx.generator)
-            fed = [i for i in range(N) if tree.depths[i] == d and keep[i] and kids[i]] if d < depth else []
+            parents = [p for p in plan.expand[d - 1] if keep[p]]
+            if not parents:
+                break
+            rows = z[[slot[p] for p in parents]]  # (n, V)
+            if self.mode == "topk":  # one top-k for the level: q's top-r token for a rank-r child
+                self._fill_topk(parents, rows.topk(min(plan.width[d - 1], V)).indices.tolist(), tree, tokens,
+                                keep)
+            else:
+                for p, lp in zip(parents, rows):
+                    self._fill(p, tree.children[p], tree, lp, tokens, q, keep, ctx.generator)
+            fed = [i for i in plan.expand[d] if keep[i]] if d < depth else []
             if fed:
-                see = torch.zeros(len(fed), len(row), dtype=torch.bool)
-                for j, i in enumerate(fed):
-                    a = tree.parents[i]
-                    while a > 0:
-                        see[j, row[a]] = True
-                        a = tree.parents[a]
-                h = torch.stack([g[tree.parents[i]] for i in fed])
-                out = self.cache.feed(h, tokens[fed].to(h.device), d, see.to(h.device))
-                z = self.head.logits(out).float()
-                for j, i in enumerate(fed):
-                    g[i], logits[i], row[i] = out[j], z[j], len(row)
+                base = self.cache.pending - len(slot) if d > 1 else None
+                pidx = torch.tensor([slot[tree.parents[i]] for i in fed])
+                prow = pidx + base if base is not None else torch.full((len(fed),), -1)
+                g = self.cache.feed(g[pidx], tokens[fed].to(g.device), d, prow)
+                z = self.head.logits(g).float()
+                slot = {i: j for j, i in enumerate(fed)}
         keep_idx = np.flatnonzero(keep).tolist()
         dev = ctx.tokens.device
         if len(keep_idx) < N:
@@ -177,16 +183,22 @@ class EagleDrafter:
             q = q[keep_idx] if q is not None else None
         return Draft(tree, tokens.to(dev), None if q is None else q.to(dev))
 
+    @staticmethod
+    def _fill_topk(parents: list[int], cands: list[list[int]], tree: Tree, tokens, keep) -> None:
+        for p, c in zip(parents, cands):
+            for k in tree.children[p]:
+                if tree.ranks[k] < len(c):
+                    tokens[k] = c[tree.ranks[k]]
+                else:  # beyond the vocabulary: drop the child and its subtree
+                    keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
+
     def _fill(self, p: int, kids, tree: Tree, logits: torch.Tensor, tokens, q, keep, gen) -> None:
-        """Tokens of node p's children: q's top-r (r = rank) or the r-th draw; children beyond q's support
+        """Tokens of node p's children: the r-th draw from q (r = rank); children beyond q's support
         (without replacement) are dropped with their subtrees."""
         width = max(tree.ranks[k] for k in kids) + 1
-        if self.mode == "topk":
-            cands = logits.topk(width).indices.cpu()
-        else:
-            qp = probs(logits, self.sampling)
-            q[p] = qp.cpu()
-            cands = _draw(qp, width, self.mode, gen).cpu()
+        qp = probs(logits, self.sampling)
+        q[p] = qp.cpu()
+        cands = _draw(qp, width, self.mode, gen).cpu()
         for k in kids:
             if tree.ranks[k] < cands.numel():
                 tokens[k] = cands[tree.ranks[k]]
@@ -195,35 +207,49 @@ class EagleDrafter:
 
     # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------
     def _dynamic(self, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
-        """(parents, tokens, ranks) of the best ``total_tokens`` drafted nodes, parents first."""
+        """(parents, tokens, ranks) of the best ``total_tokens`` drafted nodes, parents first. Per level
+        one head forward over the frontier, one top-k of its children, one top-k of the next frontier."""
         K = self.dynamic.top_k
-        lp = self.head.logits(self.cache.last).float().log_softmax(-1)
-        top = lp.topk(K)
-        par, tok, rank = [-1] * K, top.indices.tolist(), list(range(K))  # drafted nodes (root excluded)
-        score, dep = top.values.tolist(), [1] * K
-        g: dict[int, torch.Tensor] = {-1: self.cache.last}
-        row: dict[int, int] = {}
-        frontier = list(range(K))
+        top = self.head.logits(self.cache.last).float().log_softmax(-1).topk(K)
+        ranks = torch.arange(K)
+        tok, score, par, rank, dep = [top.indices], [top.values], [torch.full((K,), -1)], [ranks], [1] * K
+        front = torch.arange(K)  # node ids of the frontier (drafted nodes numbered in creation order)
+        h, prow, ftok, fscore = self.cache.last.expand(K, -1), torch.full((K,), -1), top.indices, top.values
+        count = K
         for d in range(2, depth + 1):
-            see = torch.zeros(len(frontier), len(row), dtype=torch.bool)
-            for j, i in enumerate(frontier):
-                a = par[i]
-                while a >= 0:
-                    see[j, row[a]] = True
-                    a = par[a]
-            h = torch.stack([g[par[i]] for i in frontier])
-            out = self.cache.feed(h, torch.tensor([tok[i] for i in frontier], device=h.device), d - 1,
-                                  see.to(h.device))
+            first = self.cache.pending  # the frontier's pending rows: first .. first + n - 1
+            out = self.cache.feed(h, ftok.to(h.device), d - 1, prow)
             top = self.head.logits(out).float().log_softmax(-1).topk(K)  # (n, K)
-            new = []
-            for j, i in enumerate(frontier):
-                g[i], row[i] = out[j], len(row)
-                for r in range(K):
-                    par.append(i), tok.append(int(top.indices[j, r])), rank.append(r)
-                    score.append(score[i] + float(top.values[j, r])), dep.append(d)
-                    new.append(len(tok) - 1)
-            frontier = sorted(new, key=lambda i: -score[i])[:K]
-        return _rerank(par, tok, rank, score, dep, self.dynamic.total_tokens, root)
+            n = out.shape[0]
+            cand = (fscore.to(top.values.device)[:, None] + top.values).flatten()  # cumulative log q
+            tok.append(top.indices.flatten()), score.append(cand), par.append(front.repeat_interleave(K))
+            rank.append(ranks.repeat(n)), dep.extend([d] * (n * K))
+            if d < depth:
+                best = cand.topk(min(K, n * K)).indices
+                j = best // K  # the parent's slot in this level
+                front, h, prow = count + best, out[j], first + j
+                ftok, fscore = top.indices.flatten()[best], cand[best]
+            count += n * K
+        return _rerank(torch.cat(par).tolist(), torch.cat(tok).tolist(), torch.cat(rank).tolist(),
+                       torch.cat(score).tolist(), dep, self.dynamic.total_tokens, root)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A static tree's levels: ``expand[d]`` the depth-d nodes that have children (fed to the head at level d,
+    their children filled from its output), ``width[d]`` the most children any of them has."""
+
+    expand: tuple[tuple[int, ...], ...]
+    width: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tree: Tree) -> _Plan:
+        kids, depths = tree.children, tree.depths
+        expand = tuple(tuple(i for i in range(tree.size) if depths[i] == d and kids[i])
+                       for d in range(tree.depth + 1))
+        width = tuple(max([max(tree.ranks[k] for k in kids[i]) + 1 for i in level], default=0)
+                      for level in expand)
+        return cls(expand, width)
 
 
 def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[int], list[int]]:
@@ -278,6 +304,12 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
     if head.cfg.variant != variant:
         raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
     w = target.get_output_embeddings().weight
-    # float32 on CPU: the head's matmuls are tiny, where bf16 is no faster (measured) and float32 is exact
-    dtype = torch.float32 if w.device.type == "cpu" else w.dtype
-    return head.to(device=w.device, dtype=dtype).eval()
+    # the target's dtype, with oneDNN-prepacked weights on CPU (bf16 packed: ~1.4x less time per draft level
+    # than float32 unpacked, measured); float32 where packing is off or does not work (unpacked bf16 linears
+    # are no faster than float32 there). The head's K/V and attention are float32 either way (HeadCache).
+    cpu = w.device.type == "cpu"
+    dtype = torch.float32 if cpu and not (ep.pack and packing_works(w.dtype)) else w.dtype
+    head = head.to(device=w.device, dtype=dtype).eval()
+    if ep.pack:
+        head.pack()
+    return head

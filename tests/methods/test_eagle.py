@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from methods.core.drafter import DraftContext
 from methods.core.engine import ModelEngine
+from methods.core.fast_llama import packing_works
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
@@ -61,9 +62,9 @@ def test_decode_cache_matches_the_training_rollout(tiny_models, variant, layers)
         cache.append(h0[0, :7], toks[0, :7])
         cache.append(h0[0, 7:12], toks[0, 7:12])  # rows 0..11 committed; root = seq[12]
         torch.testing.assert_close(cache.last, outs[0][0, 11], rtol=1e-4, atol=1e-5)
-        g1 = cache.feed(cache.last[None], toks[0, 12:13], 1, torch.zeros(1, 0, dtype=torch.bool))
+        g1 = cache.feed(cache.last[None], toks[0, 12:13], 1, torch.tensor([-1]))
         torch.testing.assert_close(g1[0], outs[1][0, 12], rtol=1e-4, atol=1e-5)
-        g2 = cache.feed(g1, toks[0, 13:14], 2, torch.ones(1, 1, dtype=torch.bool))
+        g2 = cache.feed(g1, toks[0, 13:14], 2, torch.tensor([0]))
         torch.testing.assert_close(g2[0], outs[2][0, 13], rtol=1e-4, atol=1e-5)
 
 
@@ -261,3 +262,69 @@ def test_vllm_export_marks_a_head_on_the_top_layer_inexact(tiny_models, tmp_path
     out = export_for_vllm(head, tmp_path / "v", top + 1)
     assert not out.exact
     assert json.loads((tmp_path / "v" / "config.json").read_text())["specsim"]["vllm_exact"] is False
+
+
+def test_eagle3_fusion_starts_from_the_top_layer(tiny_models):
+    """fuse_init=top: before training, EAGLE-3's committed input is the target's top feature (EAGLE-1's h);
+    a random init mixes the layers."""
+    target = tiny_models.target
+    n_layers = target.config.num_hidden_layers
+    layers = (0, n_layers - 1)
+    cfg = EagleTrainConfig(variant="eagle3", feature_layers=layers, steps=0, train_windows=2, seq_len=8)
+    toks = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(1))
+    head = train(target, toks, cfg).head
+    seq = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    f = trainer.target_features(target, seq, layers)
+    with torch.no_grad():
+        torch.testing.assert_close(head.fuse(f.layers), f.hidden)
+        rand = train(target, toks, EagleTrainConfig(**{**cfg.__dict__, "fuse_init": "random"})).head
+        assert not torch.allclose(rand.fuse(f.layers), f.hidden, atol=1e-3)
+
+
+def test_recipe_keys_of_eagle1_heads_are_unchanged_by_eagle3_only_fields():
+    d = EagleTrainConfig(steps=300).to_dict()
+    assert "fuse_init" not in d and "feature_weight" not in d  # heads cached before these fields stay valid
+    e3 = EagleTrainConfig(variant="eagle3", feature_layers=(1, 3, 5))
+    assert e3.to_dict()["fuse_init"] == "top" and e3.feature_loss_weight == 0.0
+    weighted = EagleTrainConfig(variant="eagle3", feature_layers=(1,), feature_weight=0.5)
+    assert weighted.to_dict()["feature_weight"] == 0.5 and weighted.feature_loss_weight == 0.5
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_a_batched_level_equals_feeding_its_nodes_one_by_one(tiny_models, variant, layers):
+    """One head forward over a level's nodes (each seeing only its own ancestors) gives the g each node gets
+    when fed alone along its path."""
+    target = tiny_models.target
+    head = _random_head(target, variant, layers)
+    seq = torch.randint(0, 256, (1, 14), generator=torch.Generator().manual_seed(4))
+    f = trainer.target_features(target, seq, layers)
+    h0 = head.fuse((f.layers if layers else f.hidden)[:, :-1])[0]
+    toks = seq[0, 1:]
+    level1, level2 = torch.tensor([5, 9, 17]), torch.tensor([30, 31, 40, 41])
+    parents2 = torch.tensor([0, 0, 2, 2])  # level-2 node j is a child of level-1 node parents2[j]
+    with torch.no_grad():
+        cache = HeadCache(head, capacity=4)  # small: the buffers grow on the way
+        cache.append(h0, toks)
+        g1 = cache.feed(cache.last.expand(3, -1), level1, 1, torch.full((3,), -1))
+        g2 = cache.feed(g1[parents2], level2, 2, parents2)
+        for j in range(4):
+            alone = HeadCache(head)
+            alone.append(h0, toks)
+            a1 = alone.feed(alone.last[None], level1[parents2[j : j + 1]], 1, torch.tensor([-1]))
+            a2 = alone.feed(a1, level2[j : j + 1], 2, torch.tensor([0]))
+            torch.testing.assert_close(g2[j], a2[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(g1[parents2[j]], a1[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_packed_head_computes_what_the_plain_one_does(tiny_models, variant, layers):
+    head = _random_head(tiny_models.target, variant, layers)
+    width = head.cfg.n_features * head.cfg.hidden_size
+    h = torch.randn(1, 6, width, generator=torch.Generator().manual_seed(0))
+    toks = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = head.logits(head(head.fuse(h), toks, torch.arange(6)))
+        assert head.pack() == packing_works(torch.float32)  # packs where oneDNN can (this CPU: yes)
+        assert bool(head.packed) == packing_works(torch.float32)
+        got = head.logits(head(head.fuse(h), toks, torch.arange(6)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

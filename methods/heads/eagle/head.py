@@ -11,7 +11,9 @@ fc(low ++ mid ++ high layer outputs)); at draft positions it is the head's own g
   head over a draft vocabulary (d2t[i]: target id = i + d2t[i], EAGLE-3's map; the identity by default).
 The embedding (and EAGLE-1's LM head) are the target's, frozen, held as buffers, never saved.
 One layer, explicit K/V: ``project`` gives rotated q, k, v of rows, ``attend`` mixes them with any key set
-and additive mask, so the training rollout and the drafter's tree share the same code.
+and additive mask, so the training rollout and the drafter's tree share the same code. For decoding on CPU,
+``pack`` gives the linears (LM head included) oneDNN-prepacked weights, as the target's lean forward has
+(methods.core.fast_llama): a draft level is weight-bandwidth bound, like a target forward of a few rows.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from methods.core.fast_llama import pack_weight, packed_linear, packing_works
 
 
 @dataclass(frozen=True)
@@ -108,24 +112,46 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         else:
             self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # (V, H) frozen
+        self.packed: dict[str, torch.Tensor] = {}  # name → prepacked weight (``pack``; inference only)
+
+    @torch.no_grad()
+    def pack(self) -> bool:
+        """Prepack the linears' weights for inference where oneDNN packing works for their device and dtype
+        (call after the last ``.to``; training must not follow). Returns whether it did."""
+        w = self.qkv_proj.weight
+        if w.device.type != "cpu" or not packing_works(w.dtype):
+            self.packed = {}
+            return False
+        names = ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        self.packed = {n: pack_weight(getattr(self, n).weight.detach()) for n in names}
+        self.packed["lm_head"] = pack_weight(self.lm_head.detach().to(w.dtype))
+        return True
+
+    def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.packed.get(name)
+        if w is None:
+            return getattr(self, name)(x)
+        bias = getattr(self, name).bias
+        y = packed_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
 
     # ---- pieces --------------------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The committed rows' h from the target's features (..., k H): EAGLE-3's fc, EAGLE-1's identity."""
-        return self.fc(features) if self.cfg.variant == "eagle3" else features
+        return self._lin("fc", features) if self.cfg.variant == "eagle3" else features
 
     def project(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor):
         """Rows (..., T): residual (..., T, H) and rotated q (..., T, n, d), k, v (..., T, kv, d)."""
         c, e = self.cfg, self.embed[tokens]
         if c.variant == "eagle1":
-            res = self.fc(torch.cat([e.to(h.dtype), h], -1))
+            res = self._lin("fc", torch.cat([e.to(h.dtype), h], -1))
             x = res
         else:
             res = h
             x = torch.cat([rms_norm(e.to(h.dtype), self.embed_norm, c.rms_eps),
                            rms_norm(h, self.hidden_norm, c.rms_eps)], -1)
         shape, n, kv = x.shape[:-1], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = self.qkv_proj(x).split([n, kv, kv], -1)
+        q, k, v = self._lin("qkv_proj", x).split([n, kv, kv], -1)
         q = q.reshape(*shape, c.num_heads, c.head_dim)
         k = k.reshape(*shape, c.num_kv_heads, c.head_dim)
         v = v.reshape(*shape, c.num_kv_heads, c.head_dim)
@@ -136,27 +162,35 @@ class EagleHead(nn.Module):
         (None = causal, S = T); residual + attention, then the MLP block."""
         c = self.cfg
         rep = c.num_heads // c.num_kv_heads
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, d)
+        # the attention in k's dtype: the decode cache keeps K/V in float32, where CPU SDPA is several times
+        # faster than in bfloat16 (methods.core.fast_llama does the same for the target)
+        qt, kt, vt = q.transpose(1, 2).to(k.dtype), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, d)
         if rep > 1:
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
         m = None if mask is None else mask.to(qt.dtype)
         a = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, is_causal=mask is None)
-        x = res + self.o_proj(a.transpose(1, 2).reshape(*res.shape[:-1], -1))
+        x = res + self._lin("o_proj", a.transpose(1, 2).reshape(*res.shape[:-1], -1).to(res.dtype))
         y = rms_norm(x, self.post_norm, c.rms_eps)
-        gate, up = self.gate_up_proj(y).chunk(2, -1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate, up = self._lin("gate_up_proj", y).chunk(2, -1)
+        return x + self._lin("down_proj", F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Draft logits over the TARGET vocabulary (..., V); EAGLE-3's draft vocabulary is scattered to its
         target ids, the rest get -inf."""
         c = self.cfg
         if c.variant == "eagle1":
-            return g @ self.lm_head.to(g.dtype).T
-        z = rms_norm(g, self.norm, c.rms_eps) @ self.lm_head.to(g.dtype).T  # (..., Vd)
+            return self._head_logits(g)
+        z = self._head_logits(rms_norm(g, self.norm, c.rms_eps))  # (..., Vd)
         if c.draft_vocab_size == c.vocab_size and not self.d2t.any():
             return z
         out = z.new_full((*z.shape[:-1], c.vocab_size), float("-inf"))
         return out.index_copy(-1, torch.arange(c.draft_vocab_size, device=z.device) + self.d2t, z)
+
+    def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.packed.get("lm_head")
+        if w is not None:
+            return packed_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+        return x @ self.lm_head.to(x.dtype).T
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """g over causal rows (B, T): h (B, T, H), tokens (B, T) = x_{i+1}, pos (B, T) or (T,)."""

@@ -5,6 +5,11 @@ x_{i+1}; their K/V persist across steps. Draft nodes are fed level by level: a d
 parent's g (the committed last row's for depth 1) and its own token, at position t-2+d, and attends the
 committed rows, its fed ancestors and itself. Drafted rows are dropped after each step: the accepted tokens
 come back with the target's own features and are appended as committed rows (EAGLE's scheme).
+
+Cost: a draft level is ONE head forward over all of its fed nodes. K/V live in preallocated buffers (committed
+rows, then the pending draft rows), so a level writes its rows in place instead of concatenating the whole
+cache, and the pending rows' ancestor relation is a (P, P) bool tensor: a new row's visible set is its
+parent's row of it plus itself, no per-node Python.
 """
 
 from __future__ import annotations
@@ -15,55 +20,70 @@ from methods.heads.eagle.head import EagleHead
 
 
 class HeadCache:
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: EagleHead, capacity: int = 256) -> None:
         self.head = head
-        self.k: torch.Tensor | None = None  # (1, L, kv, d) committed rows
+        self.capacity = capacity  # initial rows; the buffers double when full
+        self.k: torch.Tensor | None = None  # (1, capacity, kv, d): committed rows, then pending rows
         self.v: torch.Tensor | None = None
+        self.length = 0  # committed rows
         self.last: torch.Tensor | None = None  # (H,) g of the last committed row: q of the root's children
-        self.pk: list[torch.Tensor] = []  # pending (draft) rows' k (1, n, kv, d) per fed level
-        self.pv: list[torch.Tensor] = []
+        self.anc = torch.zeros(0, 0, dtype=torch.bool)  # (P, P) pending row j is an ancestor-or-self of i
 
     @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
+    def pending(self) -> int:
+        return self.anc.shape[0]
 
     def reset(self) -> None:
-        self.k = self.v = self.last = None
-        self.pk, self.pv = [], []
+        self.length, self.last = 0, None
+        self.drop_pending()
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store rows k, v (1, n, kv, d) after the committed and pending ones; returns their first index."""
+        at, n = self.length + self.pending, k.shape[1]
+        if self.k is None or at + n > self.k.shape[1]:
+            cap = max(self.capacity, 2 * (at + n))
+            # float32 K/V: the attention runs in it (EagleHead.attend), fast on CPU whatever the head's dtype
+            bk = k.new_empty(1, cap, *k.shape[2:], dtype=torch.float32)
+            bv = v.new_empty(1, cap, *v.shape[2:], dtype=torch.float32)
+            if self.k is not None:
+                bk[:, :at], bv[:, :at] = self.k[:, :at], self.v[:, :at]
+            self.k, self.v = bk, bv
+        self.k[:, at : at + n], self.v[:, at : at + n] = k, v
+        return at
 
     def append(self, h: torch.Tensor, tokens: torch.Tensor) -> None:
         """Commit rows: h (n, H) the head-space input (fused features), tokens (n,) = x_{i+1}."""
-        head, L = self.head, self.length
-        pos = torch.arange(L, L + h.shape[0], device=h.device)
-        res, q, k, v = head.project(h[None], tokens[None], pos)
-        if L == 0:
-            keys, vals, mask = k, v, None
-        else:
-            keys, vals = torch.cat([self.k, k], 1), torch.cat([self.v, v], 1)
-            mask = _mask(torch.ones(h.shape[0], L, dtype=torch.bool, device=h.device),
-                         torch.tril(torch.ones(h.shape[0], h.shape[0], dtype=torch.bool, device=h.device)))
-        g = head.attend(res, q, keys, vals, mask)[0]  # (n, H)
-        self.k, self.v, self.last = keys, vals, g[-1]
-        self.pk, self.pv = [], []
-
-    def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, see: torch.Tensor) -> torch.Tensor:
-        """Draft rows at ``depth``: h (n, H) the parents' g, tokens (n,); ``see`` (n, P) bool: which pending
-        rows (in feeding order) each attends (its ancestors). Returns g (n, H); their K/V become pending."""
+        self.drop_pending()
         head, L, n = self.head, self.length, h.shape[0]
+        pos = torch.arange(L, L + n, device=h.device)
+        res, q, k, v = head.project(h[None], tokens[None], pos)
+        self._write(k, v)
+        mask = None
+        if L > 0:  # causal over the new rows, everything committed before
+            mask = torch.zeros(n, L + n, device=h.device)
+            mask[:, L:] = torch.full((n, n), float("-inf"), device=h.device).triu(1)
+        g = head.attend(res, q, self.k[:, : L + n], self.v[:, : L + n], mask)[0]  # (n, H)
+        self.length, self.last = L + n, g[-1]
+
+    def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, parents: torch.Tensor) -> torch.Tensor:
+        """Draft rows at ``depth``: h (n, H) the parents' g, tokens (n,), ``parents`` (n,) long: the pending
+        row of each row's parent (-1: a child of the root, no pending ancestor). Returns g (n, H); the rows
+        become pending (rows P..P+n-1)."""
+        head, L, P, n = self.head, self.length, self.pending, h.shape[0]
         pos = torch.full((n,), L - 1 + depth, device=h.device)
         res, q, k, v = head.project(h[None], tokens[None], pos)
-        keys = torch.cat([self.k, *self.pk, k], 1)
-        vals = torch.cat([self.v, *self.pv, v], 1)
-        eye = torch.eye(n, dtype=torch.bool, device=h.device)
-        mask = _mask(torch.ones(n, L, dtype=torch.bool, device=h.device), see, eye)
-        self.pk.append(k)
-        self.pv.append(v)
-        return head.attend(res, q, keys, vals, mask)[0]
+        self._write(k, v)
+        anc = torch.zeros(n, P + n, dtype=torch.bool)
+        has = parents >= 0
+        if P and bool(has.any()):
+            anc[has, :P] = self.anc[parents[has]]
+        anc[:, P:] = torch.eye(n, dtype=torch.bool)
+        grown = torch.zeros(P + n, P + n, dtype=torch.bool)
+        grown[:P, :P], grown[P:] = self.anc, anc
+        self.anc = grown
+        mask = torch.zeros(n, L + P + n, device=h.device)
+        mask[:, L:] = torch.zeros(anc.shape).masked_fill_(~anc, float("-inf")).to(h.device)
+        return head.attend(res, q, self.k[:, : L + P + n], self.v[:, : L + P + n], mask)[0]
 
     def drop_pending(self) -> None:
-        self.pk, self.pv = [], []
-
-
-def _mask(*blocks: torch.Tensor) -> torch.Tensor:
-    ok = torch.cat(blocks, dim=1)
-    return torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf"))
+        self.anc = torch.zeros(0, 0, dtype=torch.bool)

@@ -44,18 +44,41 @@ class EagleTrainConfig:
     # eagle3: train its own LM head (the paper does); off by default = kept at the target's, a departure that
     # saves the (V, H) weight gradient of every rollout step on this CPU
     train_lm_head: bool = False
+    # eagle3: fc's initial weights. "top": the identity on the highest fused layer's slice, zeros elsewhere,
+    # so training starts from h = the target's top feature (EAGLE-1's input) and learns what the lower layers
+    # add; "random": nn.Linear's default, which mixes 3H inputs at random and loses the top feature
+    fuse_init: str = "top"
+    # weight of the feature regression SmoothL1(g, f_{i+1}) of rollout step 0; None = the variant's: EAGLE-1
+    # 1.0, EAGLE-3 0.0 (the paper drops it)
+    feature_weight: float | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         assert self.variant in ("eagle1", "eagle3"), self.variant
         assert self.variant == "eagle1" or len(self.feature_layers) >= 1, "eagle3 needs feature_layers"
+        assert self.fuse_init in ("top", "random"), f"unknown fuse_init {self.fuse_init!r}"
 
     def head_config(self, target: PreTrainedModel) -> EagleConfig:
         layers = self.feature_layers if self.variant == "eagle3" else ()
         return EagleConfig.for_target(target, self.variant, layers)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The recipe (cache keys): fields added later are left out where they do not apply or keep the
+        earlier behaviour, so the heads built before them stay valid."""
+        d = asdict(self)
+        if self.variant == "eagle1" or d["fuse_init"] == "random":
+            d.pop("fuse_init")
+        if self.feature_weight is None or self.feature_weight == self.feature_loss_weight_default:
+            d.pop("feature_weight")
+        return d
+
+    @property
+    def feature_loss_weight_default(self) -> float:
+        return 1.0 if self.variant == "eagle1" else 0.0
+
+    @property
+    def feature_loss_weight(self) -> float:
+        return self.feature_loss_weight_default if self.feature_weight is None else self.feature_weight
 
 
 @dataclass
@@ -71,6 +94,18 @@ def new_head(target: PreTrainedModel, cfg: EagleConfig, seed: int = 0) -> EagleH
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     lm = target.get_output_embeddings().weight.detach().float().cpu()
     return EagleHead(cfg, embed, lm)
+
+
+def init_fusion(head: EagleHead) -> None:
+    """EAGLE-3's fc = [0 … 0 I 0 …]: the identity on the slice of the highest fused layer, zeros elsewhere
+    (our choice, not the paper's: on a few-minute budget a random 3H → H mix loses the top feature, which
+    alone already gives EAGLE-1's accuracy; zeros on the other slices still get gradients)."""
+    c = head.cfg
+    top = c.feature_layers.index(max(c.feature_layers))
+    H = c.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, top * H : (top + 1) * H] = torch.eye(H)
 
 
 def committed_input(head: EagleHead, feats: trainer.Features) -> torch.Tensor:
@@ -131,7 +166,7 @@ def make_batch(feats: trainer.Features, windows: torch.Tensor, idx: torch.Tensor
 
 def loss(head: EagleHead, b: Batch, cfg: EagleTrainConfig) -> torch.Tensor:
     """EAGLE-1: SmoothL1(g, f_{i+1}) + ce_weight · CE(p, q); EAGLE-3: Σ_s decay^s CE(p, q_s), rows of step s
-    whose input came from a padded row (i < s) excluded."""
+    whose input came from a padded row (i < s) excluded (plus feature_weight · SmoothL1 when asked)."""
     h0 = head.fuse(b.h)
     if b.noise is not None:
         h0 = h0 + b.noise.to(h0.dtype)
@@ -140,8 +175,8 @@ def loss(head: EagleHead, b: Batch, cfg: EagleTrainConfig) -> torch.Tensor:
     total = h0.new_zeros((), dtype=torch.float32)
     for s, g in enumerate(outs):
         total = total + weight * cfg.step_decay**s * _soft_ce(head.logits(g), b.p_logits)[:, s:].mean()
-    if cfg.variant == "eagle1":
-        total = total + F.smooth_l1_loss(outs[0].float(), b.f_next.float())
+    if cfg.feature_loss_weight:
+        total = total + cfg.feature_loss_weight * F.smooth_l1_loss(outs[0].float(), b.f_next.float())
     return total
 
 
@@ -152,6 +187,8 @@ def train(target: PreTrainedModel, tokens: torch.Tensor, cfg: EagleTrainConfig) 
     head = new_head(target, cfg.head_config(target), cfg.seed).train()
     if cfg.variant == "eagle3":
         head.lm_head.requires_grad_(cfg.train_lm_head)
+        if cfg.fuse_init == "top":
+            init_fusion(head)
     windows = sample_batch(tokens, cfg.train_windows, cfg.seq_len, g)  # (N, T)
     layers = head.cfg.feature_layers if cfg.variant == "eagle3" else ()
     feats = trainer.target_features(target, windows, layers, desc=f"{cfg.variant}: target features")
