@@ -38,8 +38,13 @@ def batch_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
     at_b = pd.to_numeric(data.get("prediction_batch_size", pd.Series(np.nan, index=data.index)),
                          errors="coerce")
     data["predicted_at_batch"] = pred.where(at_b == data[batch])  # a one-sequence prediction is not S(B)
-    cols = {"speedup": ["mean", "std"], "tokens_per_s": ["mean"], "baseline_tokens_per_s": ["mean"],
-            "predicted_at_batch": ["mean"], "break_even_batch": ["median"], "ar_tokens_per_s": ["mean"]}
+    dec = pd.to_numeric(data.get("predicted_decode_speedup", pd.Series(np.nan, index=data.index)),
+                        errors="coerce")
+    data["predicted_decode_at_batch"] = dec.where(at_b == data[batch])
+    cols = {"speedup": ["mean", "std"], "decode_speedup": ["mean"], "tokens_per_s": ["mean"],
+            "baseline_tokens_per_s": ["mean"], "predicted_at_batch": ["mean"],
+            "predicted_decode_at_batch": ["mean"], "break_even_batch": ["median"],
+            "ar_tokens_per_s": ["mean"]}
     cols = {k: v for k, v in cols.items() if k in data.columns}
     for k in cols:
         data[k] = pd.to_numeric(data[k], errors="coerce")
@@ -87,6 +92,12 @@ def _speedup(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, met
     sub = table[table["method"] == method]
     ax.errorbar(sub[batch], sub["speedup"], yerr=sub.get("speedup_std"), fmt="o", color=color, capsize=3,
                 label=f"{method} measured")
+    if "predicted_decode_at_batch" in sub and sub["predicted_decode_at_batch"].notna().any():
+        # the run's length: a static batch waits for its slowest row (decode time, prefill left out)
+        ax.plot(sub[batch], sub["decode_speedup"], "s", color=color, mfc="none",
+                label=f"{method} measured, decode only")
+        ax.plot(sub[batch], sub["predicted_decode_at_batch"], ":", color=color,
+                label=f"{method} predicted, run length (slowest row)")
     pred = _prediction_for(prediction, method, batch) if prediction is not None else _own(sub, batch)
     if pred is not None and len(pred):
         ax.plot(pred[batch], pred["predicted_speedup"], "-", color=color, label=f"{method} predicted")

@@ -106,11 +106,14 @@ def compare(sweep: str, prediction: pd.DataFrame, plot: str | None) -> None:
     pred = prediction.set_index("batch_size")
     for method in sorted(set(table["method"]) - {"autoregressive"}):
         sub = table[table["method"] == method].set_index("workload.batch_size")
-        print(f"\n{method}: B, measured speedup (± sd), predicted, batched AR tok/s measured, predicted")
+        print(f"\n{method}: B, measured speedup (± sd), predicted S(B); measured decode speedup, the run's "
+              "predicted decode speedup (its length, static batch); batched AR tok/s measured, predicted")
         for b, row in sub.iterrows():
             p = pred.loc[int(b)] if int(b) in pred.index else None
             print(f"  {int(b):3d}  {row['speedup']:.3f} ± {row.get('speedup_std', float('nan')):.3f}   "
                   f"{p['predicted_speedup'] if p is not None else float('nan'):.3f}   "
+                  f"{row.get('decode_speedup', float('nan')):.3f}  "
+                  f"{row.get('predicted_decode_at_batch', float('nan')):.3f}   "
                   f"{row['baseline_tokens_per_s']:8.1f}  "
                   f"{p['ar_tokens_per_s'] if p is not None else float('nan'):8.1f}")
         measured = measured_break_even(table, method)

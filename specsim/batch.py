@@ -276,6 +276,11 @@ class BatchPrediction:
     spec_tokens_per_s: float  # B · τ / t_step
     break_even_batch: float | None  # B*: None = speculation pays at every B searched
     cost_source: str
+    # a generation of workload.max_new_tokens per row: n · t(B, 1) / (E[forwards] · t_step), E[forwards] of
+    # a static batch = E[max over its B rows] (it steps until its slowest row is done; continuous batching
+    # refills rows: one row's mean); the measured counterpart is decode_speedup
+    predicted_decode_speedup: float = float("nan")
+    batch_forwards: float = float("nan")  # E[forwards] of the batch (the autoregressive side: n)
 
     def to_metrics(self, prefix: str = "") -> dict[str, Any]:
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
@@ -355,14 +360,22 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
     profile grown with B by this device's ``fit`` (methods.measurement.batch_cost.load_batch_fit; the
     roofline's growth where None). ``tree``: the exact tree the run used (else the preset's, re-sized at
     B). S(B) compares the batched speculative step with the batched autoregressive step of the same B."""
+    from specsim.acceptance import from_config
+    from specsim.expected import accepted_length_law, batch_forwards
+
     b = int(cfg.workload.batch_size if batch_size is None else batch_size)
     cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit)
     (_, tau, s, t), = speedup_curve(cfg, [b], cost, tree)
     at = cost.at(b)
     step = at.step_time(t)
     b_star = break_even_batch(cfg, cost, tree) if with_break_even else None
+    n = int(cfg.workload.max_new_tokens)
+    rows = 1 if getattr(cfg.workload, "continuous", False) else b
+    forwards = batch_forwards(accepted_length_law(t, from_config(cfg.method.acceptance)), n, rows) if (
+        t.depth > 0) else float(n)
+    decode = n * at.ar_time / (forwards * step) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
-                           at.target.source)
+                           at.target.source, decode, forwards)
 
 
 def best_budget_by_batch(cfg: RunConfig, batches: Sequence[int] = BATCHES,

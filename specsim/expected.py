@@ -81,6 +81,33 @@ def forwards_to_generate(law: np.ndarray, n_tokens: int) -> float:
     return float(f[n_tokens])
 
 
+def forwards_law(law: np.ndarray, n_tokens: int) -> np.ndarray:
+    """(n_tokens + 1,) pmf of the number of target forwards F that emit ``n_tokens`` (steps emitting k tokens
+    with ``law[k]``, independently; the last step cut at the budget): ``pmf[s] = P(F = s)``. Its mean is
+    :func:`forwards_to_generate`."""
+    law = np.asarray(law, dtype=float)
+    assert n_tokens >= 1 and law.ndim == 1 and law.size >= 2, (n_tokens, law.shape)
+    left = np.zeros(n_tokens + 1)  # P(n tokens still to emit after s steps), n = 0 … n_tokens
+    left[n_tokens] = 1.0
+    pmf = np.zeros(n_tokens + 1)
+    for s in range(1, n_tokens + 1):  # every step emits >= 1 token: at most n_tokens steps
+        nxt = np.zeros_like(left)
+        for k in range(1, law.size):
+            nxt[: max(n_tokens + 1 - k, 0)] += law[k] * left[k:]
+            nxt[0] += law[k] * left[1 : min(k, n_tokens + 1)].sum()  # overshoot: cut at the budget
+        pmf[s] = nxt[0]
+        nxt[0] = 0.0
+        left = nxt
+    return pmf
+
+
+def batch_forwards(law: np.ndarray, n_tokens: int, batch: int) -> float:
+    """E[max over ``batch`` rows of their forwards] to emit ``n_tokens`` each: a static batch steps until its
+    slowest row is done (rows decoded alone need :func:`forwards_to_generate`; batch = 1 is that)."""
+    cdf = np.cumsum(forwards_law(law, n_tokens))
+    return float(np.sum(1.0 - np.clip(cdf[:-1], 0.0, 1.0) ** int(batch)))
+
+
 def tokens_per_forward(law: np.ndarray, n_tokens: int) -> float:
     """Tokens emitted per target forward by a generation of ``n_tokens`` (→ τ as n_tokens → ∞)."""
     if n_tokens <= 0:

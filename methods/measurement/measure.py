@@ -260,15 +260,19 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
     grown with B by this device's stored t(B, n) fit (methods.measurement.batch_cost; `python
     benchmarks/batch_cost.py` calibrates it), else by the hardware roofline's growth (``batch_cost_source``
     says which). ``predicted_tau`` / ``predicted_speedup`` become S(B), the batched speculative step over the
-    batched autoregressive step; the one-sequence prediction's keys stay under ``*_batch1``."""
+    batched autoregressive step; ``predicted_decode_speedup`` prices the run's generation length, a static
+    batch stepping until its slowest row is done; the one-sequence prediction's keys stay under
+    ``*_batch1``."""
     fit = load_batch_fit(cfg)
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
     pred = predict_at_batch(pcfg, cost, fit, tree=tree)
     out = {f"{k}_batch1": v for k, v in one_sequence.items()
            if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
                     "predicted_tokens_per_forward")}
-    out.update({k: None for k in ("predicted_decode_speedup", "predicted_tokens_per_forward")})
     out.update(predicted_tau=pred.predicted_tau, predicted_speedup=pred.predicted_speedup,
+               predicted_decode_speedup=pred.predicted_decode_speedup,  # static batches: the slowest row
+               predicted_batch_forwards=pred.batch_forwards,
+               predicted_tokens_per_forward=cfg.workload.max_new_tokens / pred.batch_forwards,
                prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
                predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,

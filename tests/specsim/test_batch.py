@@ -138,6 +138,22 @@ def test_break_even_moves_the_right_way_with_draft_cost_and_acceptance(seven_b):
     assert longer is None or longer > b0  # KV reads keep long contexts memory-bound (MagicDec)
 
 
+def test_a_static_batch_waits_for_its_slowest_row(seven_b):
+    """predicted_decode_speedup prices max_new_tokens per row: at B = 1 the one-sequence finite-generation
+    prediction; a static batch steps until its slowest row is done (fewer tokens per forward than τ, falling
+    with B), continuous batching refills rows (one row's mean)."""
+    cfg = seven_b("method=vanilla", "hardware=a100", "workload.max_new_tokens=64")
+    one = batch.predict_at_batch(cfg, batch_size=1, with_break_even=False)
+    assert one.predicted_decode_speedup == pytest.approx(simulate(cfg).predicted_decode_speedup, rel=1e-9)
+    static = [batch.predict_at_batch(cfg, batch_size=b, with_break_even=False) for b in (2, 8, 32)]
+    assert all(a.batch_forwards < b.batch_forwards for a, b in zip(static, static[1:]))
+    assert all(p.predicted_decode_speedup < p.predicted_speedup for p in static)
+    cont = batch.predict_at_batch(seven_b("method=vanilla", "hardware=a100", "workload.max_new_tokens=64",
+                                          "workload.continuous=true"), batch_size=8, with_break_even=False)
+    assert cont.batch_forwards == pytest.approx(one.batch_forwards)
+    assert cont.batch_forwards < static[1].batch_forwards
+
+
 def test_autoregressive_never_breaks_even(seven_b):
     cfg = seven_b("method=autoregressive", "hardware=a100")
     assert batch.break_even_batch(cfg) is None

@@ -173,3 +173,24 @@ def test_forwards_to_generate_matches_monte_carlo_and_tends_to_tau():
     assert tokens_per_forward(law, 48) < tau  # the cut wastes the last step's extra tokens
     assert tokens_per_forward(law, 20000) == pytest.approx(tau, rel=1e-3)
     assert tokens_per_forward(law, 0) == pytest.approx(tau)
+
+
+def test_forwards_law_and_the_static_batch_match_monte_carlo():
+    """The law of the forwards a row needs for 48 tokens (its mean is forwards_to_generate), and a static
+    batch's forwards: the max over its rows (a batch steps until its slowest row is done)."""
+    from specsim.expected import batch_forwards, forwards_law, forwards_to_generate
+
+    law = np.array([0.0, 0.3, 0.2, 0.2, 0.1, 0.2])
+    pmf = forwards_law(law, 48)
+    assert pmf.sum() == pytest.approx(1.0) and pmf[0] == 0.0
+    assert float(np.dot(np.arange(pmf.size), pmf)) == pytest.approx(forwards_to_generate(law, 48))
+    assert batch_forwards(law, 48, 1) == pytest.approx(forwards_to_generate(law, 48))
+    rng = np.random.default_rng(1)
+    steps = rng.choice(law.size, p=law, size=(16000, 48))
+    forwards = ((np.cumsum(steps, axis=1) < 48).sum(axis=1) + 1).reshape(-1, 8)  # 2000 batches of 8 rows
+    assert np.bincount(forwards.ravel(), minlength=49)[:49] / forwards.size == pytest.approx(pmf, abs=0.01)
+    assert batch_forwards(law, 48, 8) == pytest.approx(forwards.max(axis=1).mean(), rel=0.01)
+    by_batch = [batch_forwards(law, 48, b) for b in (1, 2, 8, 32)]
+    assert all(a < b for a, b in zip(by_batch, by_batch[1:])) and by_batch[-1] <= 48
+    one = np.array([0.0, 0.0, 1.0])  # a fixed step: every row needs the same forwards, whatever B
+    assert batch_forwards(one, 48, 32) == pytest.approx(24.0)
