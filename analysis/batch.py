@@ -35,8 +35,9 @@ def batch_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
         raise ValueError(f"no column {batch!r}: not a batch sweep")
     data[batch] = pd.to_numeric(data[batch], errors="coerce")
     pred = pd.to_numeric(data.get("predicted_speedup"), errors="coerce")
+    # a run without the key predicted one sequence (B = 1 runs take the one-sequence path)
     at_b = pd.to_numeric(data.get("prediction_batch_size", pd.Series(np.nan, index=data.index)),
-                         errors="coerce")
+                         errors="coerce").fillna(1)
     data["predicted_at_batch"] = pred.where(at_b == data[batch])  # a one-sequence prediction is not S(B)
     dec = pd.to_numeric(data.get("predicted_decode_speedup", pd.Series(np.nan, index=data.index)),
                         errors="coerce")
