@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,19 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from methods.core.engine import ModelEngine  # noqa: E402
 from methods.core.loop import DecodeOptions, decode  # noqa: E402
+from methods.core.timing import median_seconds  # noqa: E402
 from methods.drafters.autoregressive import Autoregressive  # noqa: E402
 from methods.models import load_models  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls."""
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def _tree(n: int) -> Tree:
@@ -92,9 +82,9 @@ def bench(model, context: int, new_tokens: int, reps: int, tree_sizes: list[int]
         fn()  # warm-up
     for _ in range(3):  # interleave: a shared machine's slow phases hit every case
         for k, fn in cases.items():
-            results[k].append(timed(fn, reps))
+            results[k].append(median_seconds(fn, reps))
         for k, fn in slow.items():
-            results[k].append(timed(fn, 1) / new_tokens)
+            results[k].append(median_seconds(fn, 1) / new_tokens)
     return {k: statistics.median(v) * 1e3 for k, v in results.items()}
 
 

@@ -113,3 +113,15 @@ def relative_iqr(values: Sequence[float]) -> float:
         return 0.0
     q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return (q3 - q1) / med if med > 0 else float("inf")
+
+
+def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 0) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` calls, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)

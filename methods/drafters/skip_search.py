@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 
 from methods.core.engine import ModelEngine
 from methods.core.fast_llama import SubLayers
+from methods.core.timing import median_seconds
 from methods.zoo.identity import doc_key
 
 VERSION = 1
@@ -64,16 +64,6 @@ def predicted_speedup(alpha: float, cost: float, verify: list[float]) -> tuple[f
     return best
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
 def unit_costs(engine: ModelEngine, context: torch.Tensor, cfg: SearchConfig) -> tuple[float, float, float,
                                                                                           list[float]]:
     """(fixed, per attention, per MLP) shares of t(1), and t(n)/t(1) for n = 1..max_gamma+1."""
@@ -88,11 +78,12 @@ def unit_costs(engine: ModelEngine, context: torch.Tensor, cfg: SearchConfig) ->
             engine.drop_pending()
         return run
 
-    full = _time(step(None), cfg.reps)
-    no_attn = _time(step(SubLayers(skip_attn=everything)), cfg.reps)
-    no_mlp = _time(step(SubLayers(skip_mlp=everything)), cfg.reps)
-    fixed = _time(step(SubLayers(skip_attn=everything, skip_mlp=everything)), cfg.reps)
-    verify = [1.0] + [_time(step(None, n + 1), cfg.reps) / full for n in range(1, cfg.max_gamma + 1)]
+    full = median_seconds(step(None), cfg.reps, warmup=1)
+    no_attn = median_seconds(step(SubLayers(skip_attn=everything)), cfg.reps, warmup=1)
+    no_mlp = median_seconds(step(SubLayers(skip_mlp=everything)), cfg.reps, warmup=1)
+    fixed = median_seconds(step(SubLayers(skip_attn=everything, skip_mlp=everything)), cfg.reps, warmup=1)
+    verify = [1.0] + [median_seconds(step(None, n + 1), cfg.reps, warmup=1) / full
+                      for n in range(1, cfg.max_gamma + 1)]
     engine.reset()
     attn, mlp = max(0.0, full - no_attn) / n_layers, max(0.0, full - no_mlp) / n_layers
     return fixed / full, attn / full, mlp / full, verify

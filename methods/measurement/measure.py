@@ -72,25 +72,23 @@ class _Totals:
     forward_s: float = 0.0  # batches: the target forward alone
 
     def add(self, r: DecodeResult) -> None:
-        self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_target_forwards, 1))
-        self.tokens += len(r.token_ids)
-        self.seconds += r.time_total_s
-        self.forwards += r.n_target_forwards
-        self.draft_s += r.time_draft_s
-        self.verify_s += r.time_verify_s
-        self.prefill_s += r.time_prefill_s
+        self._add(r, len(r.token_ids), r.n_target_forwards)
         self.offline_s += r.time_offline_s
 
     def add_batch(self, r: BatchResult) -> None:
         """A batch's totals: tokens over its wall time (the rows' decodes overlap)."""
-        self.steps.append((r.time_total_s - r.time_prefill_s) / max(r.n_steps, 1))
-        self.tokens += r.tokens
+        self._add(r, r.tokens, r.n_steps)
+        self.forward_s += r.time_forward_s
+
+    def _add(self, r: DecodeResult | BatchResult, tokens: int, forwards: int) -> None:
+        """The timers one decode and one batch both have."""
+        self.steps.append((r.time_total_s - r.time_prefill_s) / max(forwards, 1))
+        self.tokens += tokens
         self.seconds += r.time_total_s
-        self.forwards += r.n_steps
+        self.forwards += forwards
         self.draft_s += r.time_draft_s
         self.verify_s += r.time_verify_s
         self.prefill_s += r.time_prefill_s
-        self.forward_s += r.time_forward_s
 
     @property
     def tokens_per_s(self) -> float:
