@@ -63,16 +63,18 @@ def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[st
     """MagicDec's speedup vs batch size per (context, α) on its 8-GPU tensor-parallel setting
     (specsim.magicdec), NaN where the batch's KV cache does not fit; and per context the α at which the best
     batch reaches the published maximum. No error row: acceptance is swept, not published (see the yaml)."""
+    from dataclasses import replace
+
     from run import compose_run_config
+    from specsim.batch import BatchRoofline
     from specsim.cost import ModelShape
-    from specsim.magicdec import BatchCost, self_spec_speedup
+    from specsim.magicdec import self_spec_speedup
 
     d = load_yaml(path)
     cfg = compose_run_config(f"model={d['model']}", f"hardware={d['hardware']}", "task=simulate")
     hw = cfg.hardware
-    cost = BatchCost(ModelShape.target(cfg.model), hw.memory_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency,
-                     hw.peak_tflops * 1e12 * hw.flops_efficiency, tp=int(d["tp"]), link=d["nvlink_gbs"] * 1e9,
-                     memory_bytes=hw.memory_gb * 1e9)
+    cost = replace(BatchRoofline.from_config(hw, ModelShape.target(cfg.model), 0), tp=int(d["tp"]),
+                   link=d["nvlink_gbs"] * 1e9, memory_bytes=hw.memory_gb * 1e9)
 
     def best(context: int, alpha: float) -> float:
         return max(self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha)

@@ -51,15 +51,22 @@ class BatchCost(Protocol):
 
 @dataclass(frozen=True)
 class BatchRoofline:
-    """t(B, n) from datasheet numbers (see the module docstring); the same fields as Roofline."""
+    """t(B, n) from datasheet numbers (see the module docstring); the same fields as Roofline, and tensor
+    parallelism over ``tp`` GPUs (MagicDec's setting, specsim.magicdec): weights, KV heads and FLOPs split
+    over the GPUs, plus two ring all-reduces per layer of the B·n·hidden activations over ``link`` bytes/s
+    per GPU (0 = not priced), 2·layers · 2(tp − 1)/tp · B·n·hidden·bytes / link. ``memory_bytes`` per GPU
+    (0 = unchecked) is what :meth:`fits` checks."""
 
     model: ModelShape
-    bandwidth: float
-    flops: float
+    bandwidth: float  # bytes/s per GPU
+    flops: float  # FLOP/s per GPU
     overhead_s: float
     context_tokens: int = 0
     pcie: float = 0.0
     source: str = "roofline"
+    tp: int = 1
+    link: float = 0.0
+    memory_bytes: float = 0.0
 
     @classmethod
     def from_roofline(cls, r: Roofline) -> BatchRoofline:
@@ -69,18 +76,37 @@ class BatchRoofline:
     def from_config(cls, hw: HardwareConfig, model: ModelShape, context_tokens: int) -> BatchRoofline:
         return cls.from_roofline(Roofline.from_config(hw, model, context_tokens))
 
+    def at_context(self, context_tokens: int) -> BatchRoofline:
+        """The same device with ``context_tokens`` cached tokens per row (a sparse-KV draft's budget)."""
+        return replace(self, context_tokens=int(context_tokens))
+
+    def fits(self, batch: int, context_tokens: int | None = None) -> bool:
+        """Weights and B rows of KV fit in the GPUs' memory (activations and workspace left out)."""
+        ctx = self.context_tokens if context_tokens is None else context_tokens
+        need = self.model.weight_bytes + batch * ctx * self.model.kv_bytes_per_token
+        return self.memory_bytes <= 0 or need <= self.tp * self.memory_bytes
+
     def parts(self, batch: Any, n: Any) -> tuple[np.ndarray, np.ndarray, float]:
         """(memory, compute, PCIe) seconds, broadcast over batch and n."""
         b, n = np.asarray(batch, float), np.asarray(n, float)
         m, ctx = self.model, self.context_tokens
-        memory = (m.weight_bytes + b * m.kv_bytes_per_token * ctx) / self.bandwidth
-        compute = b * (2.0 * m.params * n + 4.0 * m.n_layers * m.hidden_size * n * (ctx + n)) / self.flops
+        memory = (m.weight_bytes + b * m.kv_bytes_per_token * ctx) / (self.tp * self.bandwidth)
+        compute = b * (2.0 * m.params * n + 4.0 * m.n_layers * m.hidden_size * n * (ctx + n)) / (
+            self.tp * self.flops)
         pcie = m.weight_bytes / self.pcie if self.pcie > 0 else 0.0
         return memory, compute, pcie
 
+    def all_reduce(self, batch: Any, n: Any) -> float | np.ndarray:
+        """Seconds of the tensor-parallel all-reduces of one forward (0 at tp = 1 or without a link)."""
+        if self.tp <= 1 or self.link <= 0:
+            return 0.0
+        m, ring = self.model, 2.0 * (self.tp - 1) / self.tp  # a ring moves 2(tp − 1)/tp of the message
+        volume = 2.0 * m.n_layers * ring * np.asarray(batch, float) * np.asarray(n, float) * m.hidden_size
+        return volume * m.bytes_per_param / self.link
+
     def time(self, batch: Any, n: Any) -> float | np.ndarray:
         memory, compute, pcie = self.parts(batch, n)
-        t = self.overhead_s + np.maximum(np.maximum(memory, compute), pcie)
+        t = self.overhead_s + np.maximum(np.maximum(memory, compute), pcie) + self.all_reduce(batch, n)
         return float(t) if np.ndim(t) == 0 else t
 
     def ridge_tokens(self) -> float:

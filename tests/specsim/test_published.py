@@ -114,26 +114,43 @@ def test_table_row_markdown_and_misses():
     assert "| P | near | 3.00 | 3.30 | +10% | 3.60 |" in text and "–" in text and "-50%" in text
 
 
-# ---- MagicDec's minimal batch pricing (specsim.magicdec; to be reconciled with batch-sim's t(B, n)) -----
+# ---- MagicDec's batch pricing: specsim.batch.BatchRoofline with tensor parallelism ----------------------
 def _batch_cost(**kw):
+    from specsim.batch import BatchRoofline
     from specsim.cost import ModelShape
-    from specsim.magicdec import BatchCost
 
     shape = ModelShape(6.738e9, 2.0, 32, 4096, 32, 32)  # Llama-2-7B: 0.5 MB of KV per token
-    return BatchCost(shape, bandwidth=1.6e12, flops=1.9e14, **kw)
+    return BatchRoofline(shape, bandwidth=1.6e12, flops=1.9e14, overhead_s=0.0, context_tokens=1000, **kw)
 
 
 def test_batch_cost_adds_kv_bytes_per_sequence_and_splits_over_tensor_parallel_gpus():
     one, eight = _batch_cost(), _batch_cost(tp=8)
     kv = 2 * 32 * 4096 * 2.0
-    assert one.time(4, 1, 1000) - one.time(0, 1, 1000) == pytest.approx(4 * 1000 * kv / 1.6e12)
-    assert eight.time(4, 1, 1000) == pytest.approx(one.time(4, 1, 1000) / 8)  # no link: no all-reduce priced
-    assert _batch_cost(tp=8, link=3e11).time(4, 1, 1000) > eight.time(4, 1, 1000)
+    assert one.time(4, 1) - one.time(0, 1) == pytest.approx(4 * 1000 * kv / 1.6e12)
+    assert eight.time(4, 1) == pytest.approx(one.time(4, 1) / 8)  # no link: no all-reduce priced
+    linked = _batch_cost(tp=8, link=3e11)
+    ring = 2 * 32 * (2 * 7 / 8) * 4 * 1 * 4096 * 2.0 / 3e11  # two ring all-reduces per layer
+    assert linked.time(4, 1) - eight.time(4, 1) == pytest.approx(ring)
+    assert one.at_context(2000).time(4, 1) - one.time(4, 1) == pytest.approx(4 * 1000 * kv / 1.6e12)
 
 
 def test_batch_cost_checks_memory():
     c = _batch_cost(tp=1, memory_bytes=80e9)
     assert c.fits(1, 1000) and not c.fits(256, 32000)
+    assert _batch_cost(tp=8, memory_bytes=80e9).fits(32, 32000) and not c.fits(32, 32000)
+
+
+def test_one_batch_pricing_for_magicdec():
+    """MagicDec's speedup is priced by the batch cost model the measured batched runs use (no second copy):
+    at tp = 1 its verify step is BatchRoofline.time itself."""
+    from specsim.expected import chain_expected_tokens
+    from specsim.magicdec import self_spec_speedup
+
+    c = _batch_cost()
+    tau = float(chain_expected_tokens(0.8, 3))
+    want = tau * c.at_context(16000).time(8, 1) / (
+        3 * c.at_context(256).time(8, 1) + c.at_context(16000).time(8, 4))
+    assert self_spec_speedup(c, 8, 16000, budget=256, gamma=3, alpha=0.8) == pytest.approx(want)
 
 
 def test_sparse_kv_self_speculation_gains_with_batch_on_long_contexts():
