@@ -56,23 +56,35 @@ def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
             "overhead": 1 - (r.time_forward_s + r.time_draft_s) / decode_s, "tau": r.stats.tau}
 
 
-def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int, reps: int) -> dict:
-    """{B: {"ar": rates, "vanilla": rates}} medians over reps (each rep: AR then vanilla, every B)."""
+def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int, reps: int,
+          kv_dtypes: tuple[str, ...] = ("model",)) -> dict:
+    """{B: {side: rates}} medians over reps (each rep: every side, every B, interleaved). Sides: "ar" and
+    "vanilla" per KV dtype of the batched engines (target's and draft's): "model" (the engine's default, the
+    model's dtype) is named plainly, another (e.g. "float32": the engine before KV was kept in bf16) as
+    "ar@float32"."""
     opts = DecodeOptions(max_new_tokens=new_tokens)  # no EOS: every row decodes new_tokens tokens
     room = max(x.numel() for x in prompts) + new_tokens + 16
     tree = Tree.chain(int(cfg.tree.gamma))
     draft = build_drafter(cfg.method, tree, models, GREEDY)
-    engines = {b: BatchEngine(models.target, b, capacity=room) for b in sizes}
-    sides = {b: {"ar": batched(Autoregressive(), b), "vanilla": batched(draft, b)} for b in sizes}
-    runs: dict[int, dict[str, list[dict]]] = {b: {"ar": [], "vanilla": []} for b in sizes}
+    engines: dict[tuple[int, str], BatchEngine] = {}
+    sides: dict[int, dict[str, tuple]] = {b: {} for b in sizes}
+    for kv in kv_dtypes:
+        BatchEngine.default_attn_dtype = None if kv == "model" else getattr(torch, kv)
+        tag = "" if kv == "model" else f"@{kv}"
+        for b in sizes:
+            engines[b, kv] = BatchEngine(models.target, b, capacity=room)
+            sides[b] |= {f"ar{tag}": (engines[b, kv], batched(Autoregressive(), b)),
+                         f"vanilla{tag}": (engines[b, kv], batched(draft, b))}
+    BatchEngine.default_attn_dtype = None
+    runs: dict[int, dict[str, list[dict]]] = {b: {name: [] for name in sides[b]} for b in sizes}
     one = DecodeOptions(max_new_tokens=1)  # the prefill and one step: its CPU time is taken off the decode's
     for rep in range(reps + 1):  # the first is the warm-up
         for b in sizes:
-            for name, side in sides[b].items():
+            for name, (engine, side) in sides[b].items():
                 cpu = time.process_time()
-                decode_batch(engines[b], side, prompts[:b], one, torch.Generator())
+                decode_batch(engine, side, prompts[:b], one, torch.Generator())
                 cpu_prefill = time.process_time() - cpu
-                r = decode_batch(engines[b], side, prompts[:b], opts, torch.Generator())
+                r = decode_batch(engine, side, prompts[:b], opts, torch.Generator())
                 if rep:
                     runs[b][name].append(_rates(r, time.process_time() - cpu - 2 * cpu_prefill))
     return {b: {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in per.items()}
@@ -102,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-dtypes", default="model",
+                    help="comma list: the batched engines' KV/attention dtype per compared variant: model "
+                    "(the default) and e.g. float32 (the engine before KV stayed in bf16), interleaved in "
+                    "one process")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="also the batched-vs-alone identity rate over N prompts (batch 16)")
     args = ap.parse_args(argv)
@@ -114,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     n = max(max(sizes), args.identity)
     w = replace(cfg.workload, num_prompts=n, prompt_tokens=args.prompt_tokens)
     prompts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
-    res = bench(models, cfg, prompts, sizes, args.new_tokens, args.reps)
+    kv_dtypes = tuple(args.kv_dtypes.split(","))
+    res = bench(models, cfg, prompts, sizes, args.new_tokens, args.reps, kv_dtypes)
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} new_tokens="
           f"{args.new_tokens} prompt_tokens~{args.prompt_tokens} gamma={cfg.tree.gamma} "
           f"(medians of {args.reps})")
@@ -126,6 +143,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{ar['outside']:>8.1%} | {va['decode_tok_s']:>13.0f} {va['total_tok_s']:>6.0f} "
               f"{va['cpu_tok_s']:>6.0f} {va['tau']:>5.2f} {va['outside']:>8.1%} {va['overhead']:>8.1%} "
               f"{va['decode_tok_s'] / ar['decode_tok_s']:>7.2f}x")
+    for kv in kv_dtypes:
+        if kv == "model":
+            continue
+        print(f"KV in the model's dtype vs KV in {kv} (decode tok/s ratio, same process, interleaved):")
+        for b in sizes:
+            line = f"{b:>4}"
+            for side in ("ar", "vanilla"):
+                new, old = res[b][side], res[b][f"{side}@{kv}"]
+                line += (f" | {side} {old['decode_tok_s']:>6.0f} -> {new['decode_tok_s']:>6.0f} tok/s "
+                         f"({new['decode_tok_s'] / old['decode_tok_s']:.2f}x, "
+                         f"cpu {new['cpu_tok_s'] / old['cpu_tok_s']:.2f}x)")
+            print(line)
     summary = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                "new_tokens": args.new_tokens, "results": {str(b): r for b, r in res.items()}}
     if 16 in res:
