@@ -377,17 +377,63 @@ def break_even_batch(cfg: RunConfig, cost: BatchCostModel | None = None, tree: A
     return first_loss([at(lo), at(hi)], [lo, hi])
 
 
+# ---- the run's length: a static batch steps until its slowest row is done -------------------------------
+def prompt_laws(hists: Sequence[Sequence[int]], center: np.ndarray) -> list[np.ndarray]:
+    """One accepted-length law per prompt (pmf over tokens per step, bonus included, as
+    specsim.expected.accepted_length_law) from each prompt's histogram of accepted drafts per step
+    (``hists[j][k]``: steps of prompt j that accepted k drafts; calibration's loop), re-centred on the
+    model's law ``center``: law_j = center + λ_j (e_j − ē), e_j the prompt's empirical law, ē the pooled one.
+    λ_j shrinks a prompt's few steps towards the pool (empirical Bayes on τ: λ_j = v / (v + σ² / N_j), σ²
+    the pooled variance of the tokens per step, v the spread of τ between prompts beyond what N_j steps of
+    sampling noise explain, Var_j(τ̂_j) − mean(σ² / N_j), at least 0): without it every prompt's sampling
+    noise would read as heterogeneity. Laws are clipped at 0 and renormalised."""
+    center = np.asarray(center, float)
+    size = center.size
+    counts = np.zeros((len(hists), size))
+    for j, h in enumerate(hists):
+        h = np.asarray(h, float)[: size - 1]
+        counts[j, 1 : 1 + h.size] = h
+    steps = counts.sum(1)
+    counts, steps = counts[steps > 0], steps[steps > 0]
+    if len(steps) < 2:
+        return [center]
+    k = np.arange(size)
+    emp = counts / steps[:, None]
+    pooled = counts.sum(0) / steps.sum()
+    var = float(pooled @ (k - pooled @ k) ** 2)
+    tau = emp @ k
+    between = max(0.0, float(np.var(tau, ddof=1) - np.mean(var / steps)))
+    shrink = between / (between + var / steps) if between > 0 else np.zeros_like(steps)
+    laws = np.clip(center + shrink[:, None] * (emp - pooled), 0.0, None)
+    return list(laws / laws.sum(1, keepdims=True))
+
+
+def mixture_batch_forwards(laws: Sequence[np.ndarray], n_tokens: int, batch: int) -> float:
+    """E[max over ``batch`` rows of the forwards to emit ``n_tokens`` each] when every row is a prompt drawn
+    at random from ``laws`` (equal weights; each prompt's steps i.i.d. under its own law): a row's forwards
+    have the mixture's CDF F(s) = mean_j F_j(s), the rows are independent, so P(max ≤ s) = F(s)^B. One law:
+    specsim.expected.batch_forwards."""
+    from specsim.expected import forwards_law
+
+    cdf = np.mean([np.cumsum(forwards_law(law, n_tokens)) for law in laws], axis=0)
+    return float(np.sum(1.0 - np.clip(cdf[:-1], 0.0, 1.0) ** int(batch)))
+
+
 def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
                      tree: Any = None, batch_size: int | None = None, draft_fit: BatchFit | None = None,
-                     with_break_even: bool = True) -> BatchPrediction:
+                     with_break_even: bool = True, prompt_hists: Sequence[Sequence[int]] | None = None
+                     ) -> BatchPrediction:
     """The simulator's prediction at ``batch_size`` (default ``cfg.workload.batch_size``) for the measure
     path: τ from ``cfg.method.acceptance`` (pass ``apply_profile(cfg, profile)``'s config for the measured
     one), t(B, n) from the hardware roofline or — with a measured single-row ``profile`` t(n) — that
     profile grown with B by this device's ``fit`` (methods.measurement.batch_cost.load_batch_fit; the
     roofline's growth where None). ``tree``: the exact tree the run used (else the preset's, re-sized at
-    B). S(B) compares the batched speculative step with the batched autoregressive step of the same B."""
+    B). S(B) compares the batched speculative step with the batched autoregressive step of the same B.
+    ``prompt_hists``: calibration's per-prompt histograms of accepted drafts per step for this tree (the
+    profile's ``loop_accept_hist_by_prompt``): rows then differ in acceptance (:func:`prompt_laws`) and a
+    static batch's length is :func:`mixture_batch_forwards`; without them every row has the one law."""
     from specsim.acceptance import from_config
-    from specsim.expected import accepted_length_law, batch_forwards
+    from specsim.expected import accepted_length_law
 
     b = int(cfg.workload.batch_size if batch_size is None else batch_size)
     cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit)
@@ -397,8 +443,11 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
     b_star = break_even_batch(cfg, cost, tree) if with_break_even else None
     n = int(cfg.workload.max_new_tokens)
     rows = 1 if getattr(cfg.workload, "continuous", False) else b
-    forwards = batch_forwards(accepted_length_law(t, from_config(cfg.method.acceptance)), n, rows) if (
-        t.depth > 0) else float(n)
+    forwards = float(n)
+    if t.depth > 0:
+        law = accepted_length_law(t, from_config(cfg.method.acceptance))
+        laws = prompt_laws(prompt_hists, law) if prompt_hists else [law]
+        forwards = mixture_batch_forwards(laws, n, rows)
     decode = n * at.ar_time / (forwards * step) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
                            at.target.source, decode, forwards)

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from itertools import takewhile
 from pathlib import Path
@@ -373,14 +373,17 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
     return out
 
 
-def _depth_run(run: _Run, n_prompts: int, new_tokens: int) -> AcceptStats:
+def _depth_run(run: _Run, n_prompts: int, new_tokens: int) -> tuple[AcceptStats, list[list[int]]]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
-    acceptance stats (α_d, by rank)."""
-    stats = AcceptStats()
+    acceptance stats (α_d, by rank), and each prompt's histogram of accepted drafts per step (the spread of
+    acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws)."""
+    stats, per_prompt = AcceptStats(), []
     for ids in run.prompts[:n_prompts]:
-        stats.merge(decode(run.target, run.drafter, ids, _spec_opts(run, new_tokens), run.generator).stats)
+        one = decode(run.target, run.drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
+        stats.merge(one)
+        per_prompt.append(list(one.hist))
         run.bar.update()
-    return stats
+    return stats, per_prompt
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -513,6 +516,7 @@ class _Measured:
     setup_s: float
     forward_tokens: int  # mean tokens of the loop's verify forward (loop_forward_tokens)
     exit_table: dict[str, Any] | None = None  # exit_confidence's table (drafters with a draft-exit rule)
+    prompt_hists: list[list[int]] = field(default_factory=list)  # per prompt: steps accepting k drafts
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -541,7 +545,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     exit_table = exit_confidence(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists = _depth_run(run, n_prompts, new_tokens)
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
@@ -550,7 +554,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
-    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table)
+    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -561,6 +565,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
         "temperature": cfg.workload.temperature,
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
+        "loop_accept_hist_by_prompt": m.prompt_hists,
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
         "loop_verify_forward_tokens": m.forward_tokens,

@@ -263,7 +263,8 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
     ``*_batch1``."""
     fit = load_batch_fit(cfg)
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
-    pred = predict_at_batch(pcfg, cost, fit, tree=tree)
+    hists = _prompt_hists(profile, tree)
+    pred = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists)
     out = {f"{k}_batch1": v for k, v in one_sequence.items()
            if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
                     "predicted_tokens_per_forward")}
@@ -274,8 +275,17 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
                predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
-               batch_cost_source="fit" if fit is not None else "roofline growth")
+               batch_cost_source="fit" if fit is not None else "roofline growth",
+               batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law")
     return out
+
+
+def _prompt_hists(profile, tree: Tree) -> list | None:
+    """Calibration's per-prompt histograms of accepted drafts per step, where its loop ran the run's tree
+    (rows differ in acceptance: the slowest row of a static batch); None for older profiles, another tree."""
+    extra = getattr(profile, "extra", None) or {}
+    same = extra.get("loop_tree_size") == tree.size and extra.get("loop_tree_depth") == tree.depth
+    return (extra.get("loop_accept_hist_by_prompt") or None) if same else None
 
 
 def at_run_costs(m: dict[str, Any]) -> float:

@@ -201,3 +201,57 @@ def test_simulate_reports_the_batch_when_batch_size_is_above_one(run_module, run
     assert metrics["predicted_speedup_batch1"] == pytest.approx(simulate(cfg).predicted_speedup)
     assert metrics["break_even_batch"] == pytest.approx(batch.break_even_batch(cfg))
     assert set(metrics["speedup_by_batch"]) == {str(b) for b in batch.BATCHES}
+
+
+def test_rows_of_different_prompts_match_a_monte_carlo():
+    """Rows drawn from prompts of different acceptance: a static batch's forwards are the max over rows
+    whose forwards follow the mixture of the prompts' laws (Monte Carlo: pick a prompt per row, step under its
+    law); the spread makes the slowest row slower than one shared law of the same mean would."""
+    from specsim.expected import batch_forwards
+
+    laws = [np.array([0.0, 0.6, 0.2, 0.1, 0.05, 0.05]), np.array([0.0, 0.1, 0.1, 0.2, 0.2, 0.4])]
+    rng = np.random.default_rng(3)
+    rows, batch_rows, n = 24000, 8, 48
+    which = rng.integers(0, 2, size=rows)
+    steps = np.where(which[:, None] == 0, rng.choice(6, p=laws[0], size=(rows, n)),
+                     rng.choice(6, p=laws[1], size=(rows, n)))
+    forwards = ((np.cumsum(steps, axis=1) < n).sum(axis=1) + 1).reshape(-1, batch_rows)
+    got = batch.mixture_batch_forwards(laws, n, batch_rows)
+    assert got == pytest.approx(forwards.max(axis=1).mean(), rel=0.01)
+    assert batch.mixture_batch_forwards([laws[0]], n, 8) == pytest.approx(batch_forwards(laws[0], n, 8))
+    pooled = (laws[0] + laws[1]) / 2
+    assert got > batch_forwards(pooled, n, batch_rows)
+    assert batch.mixture_batch_forwards(laws, n, 1) == pytest.approx(forwards[:, 0].mean(), rel=0.01)
+
+
+def test_prompt_laws_shrink_sampling_noise_and_keep_real_spread():
+    """Per-prompt histograms drawn from ONE law spread only by sampling noise: the laws shrink to the
+    centre; prompts drawn from two laws keep (most of) their difference, centred on the model's law."""
+    rng = np.random.default_rng(0)
+    law = np.array([0.0, 0.3, 0.3, 0.2, 0.2])
+
+    def hists(p, prompts, steps):
+        return [np.bincount(rng.choice(5, p=p, size=steps) - 1, minlength=4).tolist() for _ in range(prompts)]
+
+    same = batch.prompt_laws(hists(law, 40, 20), law)
+    spread = np.std([x @ np.arange(5) for x in same])
+    assert spread < 0.1 and all(x.sum() == pytest.approx(1) and (x >= 0).all() for x in same)
+    lo, hi = np.array([0.0, 0.6, 0.3, 0.1, 0.0]), np.array([0.0, 0.05, 0.15, 0.3, 0.5])
+    two = batch.prompt_laws(hists(lo, 20, 200) + hists(hi, 20, 200), law)
+    taus = np.array([x @ np.arange(5) for x in two])
+    assert taus[20:].mean() - taus[:20].mean() > 0.8 * (hi @ np.arange(5) - lo @ np.arange(5))
+    assert taus.mean() == pytest.approx(law @ np.arange(5), abs=0.1)  # centred (up to the clipping at 0)
+    assert batch.prompt_laws([[3, 1]], law) == [law]  # one prompt: no spread to measure
+
+
+def test_per_prompt_histograms_lengthen_a_static_batch(seven_b):
+    """predict_at_batch with calibration's per-prompt histograms: the same τ, more forwards for a static
+    batch (its slowest row), the same prediction at B = 1 up to the re-centring."""
+    cfg = seven_b("method=vanilla", "hardware=a100", "workload.max_new_tokens=64", "tree.gamma=4")
+    rng = np.random.default_rng(0)
+    hists = [np.bincount(rng.choice(6, p=p, size=40), minlength=6).tolist()[:5]
+             for p in ([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.1, 0.2, 0.5]) for _ in range(10)]
+    plain = batch.predict_at_batch(cfg, batch_size=16, with_break_even=False)
+    mixed = batch.predict_at_batch(cfg, batch_size=16, with_break_even=False, prompt_hists=hists)
+    assert mixed.predicted_tau == plain.predicted_tau and mixed.batch_forwards > plain.batch_forwards
+    assert mixed.predicted_decode_speedup < plain.predicted_decode_speedup
