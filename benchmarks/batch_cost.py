@@ -10,6 +10,7 @@ roofline.
     python benchmarks/batch_cost.py                                  # zoo target, bf16, 1 thread
     python benchmarks/batch_cost.py --contexts 160 512 --reps 5 --json out.json
     python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
+    python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row.
 """
@@ -43,8 +44,11 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
     models = load_models(cfg.model, "cpu", args.dtype)
     stat = {"median": statistics.median, "min": min}[args.stat]
-    grid = time_grid(models.target, args.batches, args.sizes, args.contexts, args.reps, stat=stat)
-    return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat}
+    model = models.draft if args.draft else models.target
+    assert model is not None, f"model={args.model} has no draft model"
+    grid = time_grid(model, args.batches, args.sizes, args.contexts, args.reps, stat=stat)
+    return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
+                  "role": "draft" if args.draft else "target"}
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
@@ -76,7 +80,8 @@ def report(grid: Grid, args: argparse.Namespace) -> BatchFit:
         rows.append((f"fit without context {held}, at {held}", *errors(f.time(b[m], n[m], c[m]), t[m])))
     cfg = compose_run_config(f"model={args.model}", "hardware=cpu")
     for ctx in contexts:
-        roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), ctx)
+        shape = (ModelShape.draft if getattr(args, "draft", False) else ModelShape.target)(cfg.model)
+        roof = BatchRoofline.from_config(cfg.hardware, shape, ctx)
         m = c == ctx
         rows.append((f"cpu roofline (datasheet), context {ctx}", *errors(roof.time(b[m], n[m]), t[m])))
     print(f"\n{'t(B, n) prediction':45s} {'median err':>10} {'max err':>8}   ({len(t)} points)")
@@ -94,7 +99,7 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
                              "device=cpu")
-    path = save_batch_fit(fit, batch_profile_path(cfg), grid)
+    path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid)
     print(f"\nstored: {path}")
 
 
@@ -112,12 +117,15 @@ def main() -> None:
     ap.add_argument("--json", help="write the timed grid here")
     ap.add_argument("--from-json", help="read a timed grid instead of timing")
     ap.add_argument("--no-store", action="store_true", help="do not store the fit in the profile cache")
+    ap.add_argument("--draft", action="store_true",
+                    help="time the draft model's forward (its own t(B, n) fit, the vanilla draft step at B)")
     args = ap.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         grid = {(int(b), int(n), int(c)): float(t) for b, n, c, t in doc["grid"]}
         args.contexts = sorted({k[2] for k in grid})
         args.model, args.dtype, args.threads = doc["model"], doc["dtype"], doc["threads"]
+        args.draft = doc.get("role") == "draft"
     else:
         grid, meta = measure(args)
         if args.json:

@@ -36,6 +36,7 @@ from methods.measurement.batch_cost import load_batch_fit  # noqa: E402
 from methods.measurement.profiles import apply_profile, load_profile, profile_config, to_measured_cost  # noqa: E402
 from methods.models import load_models  # noqa: E402
 from specsim.batch import BATCHES, predict_at_batch  # noqa: E402
+from specsim.expected import batch_forwards, forwards_law  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     taus = [sum((k + 1) * c for k, c in enumerate(h)) / max(sum(h), 1) for h in hists]
     print(f"calibration prompts: tau per prompt {np.min(taus):.2f}..{np.max(taus):.2f} "
           f"(mean {np.mean(taus):.2f}, sd {np.std(taus):.2f})", flush=True)
+    loop_law, spread = row_spread(hists, args.new_tokens)
+    print(f"forwards per prompt alone ({args.new_tokens} tokens): variance {spread['variance_alone']:.2f} "
+          f"against {spread['variance_iid']:.2f} for i.i.d. steps of the pooled loop law (ratio "
+          f"{spread['ratio']:.2f}: above 1 = prompts differ beyond sampling noise)", flush=True)
     measured = measured_forwards(models, cfg, tree, batches, args.new_tokens)
     profile = load_profile(profile_config(cfg))
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
@@ -106,18 +111,38 @@ def main(argv: list[str] | None = None) -> None:
         one = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False)
         mix = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False, prompt_hists=hists)
         rows.append({"B": b, "measured_forwards": measured[b], "one_law_forwards": one.batch_forwards,
-                     "mixture_forwards": mix.batch_forwards, "one_law_decode": one.predicted_decode_speedup,
+                     "mixture_forwards": mix.batch_forwards,
+                     "loop_law_forwards": batch_forwards(loop_law, args.new_tokens, b),
+                     "one_law_decode": one.predicted_decode_speedup,
                      "mixture_decode": mix.predicted_decode_speedup, "measured_decode": sweep.get(b)})
-    print(f"{'B':>3} {'forwards measured':>17} {'one law':>13} {'mixture':>13} | decode speedup: "
+    print("forwards per static batch: measured; predicted with the profile's law (one law, the per-prompt "
+          "mixture), and with calibration's pooled loop law")
+    print(f"{'B':>3} {'measured':>8} {'one law':>15} {'mixture':>15} {'loop law':>15} | decode speedup: "
           f"{'one law':>7} {'mixture':>7} {'measured':>8}")
     for r in rows:
         m = r["measured_forwards"]
         dec = f"{r['measured_decode']:.3f}" if r["measured_decode"] else "–"
-        print(f"{r['B']:>3} {m:>17.2f} {r['one_law_forwards']:>6.2f} ({r['one_law_forwards'] / m - 1:+.1%}) "
-              f"{r['mixture_forwards']:>6.2f} ({r['mixture_forwards'] / m - 1:+.1%}) | {'':>15}"
-              f"{r['one_law_decode']:>7.3f} {r['mixture_decode']:>7.3f} {dec:>8}")
+        cols = "".join(f" {r[k]:>6.2f} ({r[k] / m - 1:+6.1%})"
+                       for k in ("one_law_forwards", "mixture_forwards", "loop_law_forwards"))
+        print(f"{r['B']:>3} {m:>8.2f}{cols} | {'':>15}{r['one_law_decode']:>7.3f} "
+              f"{r['mixture_decode']:>7.3f} {dec:>8}")
     print(json.dumps({"profile": profile is not None, "fit": fit is not None, "tau_by_prompt": taus,
-                      "rows": rows}))
+                      "spread": spread, "rows": rows}))
+
+
+def row_spread(hists: list[list[int]], new_tokens: int) -> tuple[np.ndarray, dict[str, float]]:
+    """The pooled loop law of the prompts' histograms, and the variance of the forwards each prompt needed
+    alone against the variance i.i.d. steps of that law give (specsim.expected.forwards_law)."""
+    size = max(len(h) for h in hists) + 1
+    pooled = np.zeros(size)
+    for h in hists:
+        pooled[1 : 1 + len(h)] += h
+    pooled /= pooled.sum()
+    pmf = forwards_law(pooled, new_tokens)
+    s = np.arange(pmf.size)
+    iid = float(pmf @ (s - pmf @ s) ** 2)
+    alone = float(np.var([sum(h) for h in hists], ddof=1))
+    return pooled, {"variance_alone": alone, "variance_iid": iid, "ratio": alone / iid}
 
 
 if __name__ == "__main__":

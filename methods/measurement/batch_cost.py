@@ -81,17 +81,25 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
-def batch_key(cfg: RunConfig) -> str:
-    """What t(B, n) depends on: the target's weights and dtype, the device, torch's threads and version
-    (not the drafter nor the workload: the context is a variable of the fit)."""
+ENGINE_VERSION = 2  # BatchEngine's forward: 2 = KV cache and attention in the model's dtype (bf16 on CPU)
+ROLES = ("target", "draft")  # whose forward was timed: the target p, or the draft model q (vanilla)
+
+
+def batch_key(cfg: RunConfig, role: str = "target") -> str:
+    """What t(B, n) depends on: the model's weights and dtype, the device, torch's threads and version,
+    the batched engine's version (not the drafter nor the workload: the context is a variable of the fit);
+    ``role`` "draft": the draft model's forward (its own fit, next to the target's)."""
+    assert role in ROLES, role
     doc = key_document(cfg)
-    doc = {"format": BATCH_FIT_FORMAT, **{k: doc[k] for k in ("model", "device", "threads", "torch")}}
+    doc = {"format": BATCH_FIT_FORMAT, "engine": ENGINE_VERSION,
+           **{k: doc[k] for k in ("model", "device", "threads", "torch")}}
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"batch-{cfg.model.name}-{cfg.model.dtype}-{digest}"
+    who = "" if role == "target" else "draft-"
+    return f"batch-{who}{cfg.model.name}-{cfg.model.dtype}-{digest}"
 
 
-def batch_profile_path(cfg: RunConfig, cache: Path | None = None) -> Path:
-    return (cache or cache_root()) / "profiles" / f"{batch_key(cfg)}.json"
+def batch_profile_path(cfg: RunConfig, cache: Path | None = None, role: str = "target") -> Path:
+    return (cache or cache_root()) / "profiles" / f"{batch_key(cfg, role)}.json"
 
 
 def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float]) -> Path:
@@ -100,9 +108,10 @@ def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float]
     return atomic_write_json(path, doc)
 
 
-def load_batch_fit(cfg: RunConfig, cache: Path | None = None) -> BatchFit | None:
-    """The stored fit of ``cfg``'s device and model, or None (none yet, unreadable, older format)."""
-    path = batch_profile_path(cfg, cache)
+def load_batch_fit(cfg: RunConfig, cache: Path | None = None, role: str = "target") -> BatchFit | None:
+    """The stored fit of ``cfg``'s device and model (``role``: its target's or its draft model's forward),
+    or None (none yet, unreadable, older format)."""
+    path = batch_profile_path(cfg, cache, role)
     if not path.is_file():
         return None
     try:
@@ -114,10 +123,11 @@ def load_batch_fit(cfg: RunConfig, cache: Path | None = None) -> BatchFit | None
 
 def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
                     batches: Sequence[int] = GRID_BATCHES, sizes: Sequence[int] = GRID_TOKENS,
-                    reps: int = 5, warmup: int = 1,
-                    cache: Path | None = None) -> tuple[BatchFit, dict[tuple[int, int, int], float], Path]:
-    """Time the grid, fit specsim.batch's form to it (its context_tokens: the first of ``contexts``), store
-    both; returns (fit, grid, path)."""
+                    reps: int = 5, warmup: int = 1, cache: Path | None = None, role: str = "target"
+                    ) -> tuple[BatchFit, dict[tuple[int, int, int], float], Path]:
+    """Time the grid of ``model`` (``cfg``'s target, or its draft model with ``role="draft"``), fit
+    specsim.batch's form to it (its context_tokens: the first of ``contexts``), store both; returns (fit,
+    grid, path)."""
     grid = time_grid(model, batches, sizes, contexts, reps, warmup, cfg.seed)
     fit = fit_batch_cost(grid, contexts[0])
-    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache), grid)
+    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid)

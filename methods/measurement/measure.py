@@ -262,9 +262,10 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
     batch stepping until its slowest row is done; the one-sequence prediction's keys stay under
     ``*_batch1``."""
     fit = load_batch_fit(cfg)
+    draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
     hists = _prompt_hists(profile, tree)
-    pred = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists)
+    pred = predict_at_batch(pcfg, cost, fit, tree=tree, draft_fit=draft_fit, prompt_hists=hists)
     out = {f"{k}_batch1": v for k, v in one_sequence.items()
            if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
                     "predicted_tokens_per_forward")}
@@ -276,6 +277,7 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
                batch_cost_source="fit" if fit is not None else "roofline growth",
+               batch_draft_cost_source="draft fit" if draft_fit is not None else "as the target grows",
                batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law")
     return out
 

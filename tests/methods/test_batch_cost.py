@@ -30,6 +30,19 @@ def test_the_fit_is_keyed_by_the_target_not_the_drafter(run_config, tmp_path):
     assert batch_cost.batch_key(a) == batch_cost.batch_key(b) != batch_cost.batch_key(c)
 
 
+def test_the_draft_models_fit_is_stored_beside_the_targets(run_config, tmp_path):
+    """role="draft": the draft model's own t(B, n), another file; each role reads back only its own."""
+    cfg = run_config("model=micro", "threads=1", "device=cpu")
+    assert batch_cost.batch_key(cfg, "draft") != batch_cost.batch_key(cfg)
+    draft = BatchFit(1e-4, 1e-4, 0.0, 1e-6, 0.0, 16)
+    path = batch_cost.batch_profile_path(cfg, tmp_path, "draft")
+    batch_cost.save_batch_fit(draft, path, {(1, 1, 16): 2e-4})
+    assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == draft
+    assert batch_cost.load_batch_fit(cfg, tmp_path) is None
+    with pytest.raises(AssertionError):
+        batch_cost.batch_key(cfg, "verifier")
+
+
 def test_a_fit_of_another_format_is_not_read(run_config, tmp_path):
     cfg = run_config("model=micro", "threads=1", "device=cpu")
     fit = BatchFit(1e-3, 1e-3, 0.0, 1e-5, 0.0, 16)

@@ -255,3 +255,18 @@ def test_per_prompt_histograms_lengthen_a_static_batch(seven_b):
     mixed = batch.predict_at_batch(cfg, batch_size=16, with_break_even=False, prompt_hists=hists)
     assert mixed.predicted_tau == plain.predicted_tau and mixed.batch_forwards > plain.batch_forwards
     assert mixed.predicted_decode_speedup < plain.predicted_decode_speedup
+
+
+def test_a_draft_fit_prices_the_draft_step_at_batch(seven_b):
+    """A measured draft t(B, n) fit replaces 'the draft grows like the target': a draft whose forward is
+    flat in B (overhead-bound) leaves the step cheaper at B = 32 than one growing with B; at B = 1 both are
+    the single-row prediction."""
+    cfg = seven_b("method=vanilla", "hardware=a100", "method.draft_cost=ratio", "method.draft_cost_ratio=0.2")
+    flat = BatchFit(1e-3, 0.0, 0.0, 0.0, 0.0, 160)  # t0 only: the same at every B
+    steep = BatchFit(1e-5, 0.0, 0.0, 1e-4, 0.0, 160)  # per token: grows with B
+    at = {name: [batch.predict_at_batch(cfg, batch_size=b, with_break_even=False, draft_fit=f)
+                 for b in (1, 32)] for name, f in (("flat", flat), ("steep", steep), ("none", None))}
+    assert at["flat"][0].predicted_speedup == pytest.approx(at["none"][0].predicted_speedup)
+    assert at["steep"][0].predicted_speedup == pytest.approx(at["none"][0].predicted_speedup)
+    assert at["flat"][1].t_step_s < at["steep"][1].t_step_s
+    assert at["flat"][1].predicted_speedup > at["steep"][1].predicted_speedup
