@@ -4,6 +4,8 @@ step, also after rows leave (the last row moves into the freed slot) and new row
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,23 +98,20 @@ def test_bf16_rows_keep_kv_in_the_models_dtype(tiny_target):
     """A bf16 model's batched KV cache and attention stay in bf16 (half the bytes a decode forward reads per
     row; attn_dtype=float32 gives the former float32 cache): both agree with each row decoded alone in
     float32 attention (the one-sequence engine) to bf16 rounding, rows and ragged prompts included."""
-    model = tiny_target.to(torch.bfloat16)
-    try:
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 3, 11)]
-        tree = Tree.chain(3)
-        tokens = torch.randint(0, 300, (3, tree.size), generator=g)
-        tokens[:, 0] = torch.stack([p[-1] for p in prompts])
-        outs = {}
-        for name, dtype in (("bf16", None), ("fp32", torch.float32)):
-            eng = BatchEngine(model, max_rows=3, capacity=8, attn_dtype=dtype)  # grows past 8
-            assert eng.k.dtype == (torch.bfloat16 if dtype is None else torch.float32)
-            eng.add(3)
-            eng.prefill([p[:-1] for p in prompts])
-            outs[name] = eng.forward_trees(tokens, [tree]).logits
-        for b, p in enumerate(prompts):
-            (want,) = _alone(model, True, p, [(tokens[b], tree, (0,))])
-            for got in outs.values():
-                torch.testing.assert_close(got[b], want.float(), atol=0.1, rtol=0.05)
-    finally:
-        tiny_target.to(torch.float32)
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)  # the session's fixture stays float32
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 3, 11)]
+    tree = Tree.chain(3)
+    tokens = torch.randint(0, 300, (3, tree.size), generator=g)
+    tokens[:, 0] = torch.stack([p[-1] for p in prompts])
+    outs = {}
+    for name, dtype in (("bf16", None), ("fp32", torch.float32)):
+        eng = BatchEngine(model, max_rows=3, capacity=8, attn_dtype=dtype)  # grows past 8
+        assert eng.k.dtype == (torch.bfloat16 if dtype is None else torch.float32)
+        eng.add(3)
+        eng.prefill([p[:-1] for p in prompts])
+        outs[name] = eng.forward_trees(tokens, [tree]).logits
+    for b, p in enumerate(prompts):
+        (want,) = _alone(model, True, p, [(tokens[b], tree, (0,))])
+        for got in outs.values():
+            torch.testing.assert_close(got[b], want.float(), atol=0.1, rtol=0.05)
