@@ -57,14 +57,11 @@ class StagedParams:
 
 
 def spine_tree(depth: int, k: int) -> Tree:
-    """Root, then per depth d = 1..D the k children of the spine node at d-1 (rank 0 first: the next spine
-    node). Node of the spine at depth d: 1 + (d-1)·k (d >= 1)."""
-    parents, spine = [-1], 0
-    for _ in range(depth):
-        first = len(parents)
-        parents += [spine] * k
-        spine = first
-    return Tree.from_parents(parents, [0] + list(range(k)) * depth)
+    """Root, the spine (node d at depth d = 1..D), then per depth d the k-1 leaves under spine node d-1
+    (ranks 1..k-1; the spine node is rank 0). The spine first keeps an accepted spine path a prefix of the
+    nodes, so the target commits its KV in place (no copy)."""
+    parents = list(range(-1, depth)) + [d for d in range(depth) for _ in range(k - 1)]
+    return Tree.from_parents(parents, [0] * (depth + 1) + list(range(1, k)) * depth)
 
 
 class OwnNgrams:
@@ -184,20 +181,21 @@ class StagedDrafter:
         tree = self._trees.get(depth)
         if tree is None:
             tree = self._trees[depth] = spine_tree(depth, self.params.top_k)
-        k, tokens = self.params.top_k, [spine[0]]
+        k, leaves = self.params.top_k, []
         for d in range(depth):
             top = rows[d].topk(min(k + 1, rows[d].numel())).indices.tolist()
-            tokens += [spine[d + 1]] + [t for t in top if t != spine[d + 1]][: k - 1]
+            leaves += [t for t in top if t != spine[d + 1]][: k - 1]
+        tokens = spine[: depth + 1] + leaves
         return Draft(tree, torch.tensor(tokens, dtype=torch.long), None)
 
     # ---- feedback -------------------------------------------------------------------------------------
     def feedback(self, fb: StepFeedback) -> None:
         """Keep q's KV of the committed tokens it read and of the accepted spine nodes it was fed; drop the
         rest (leaves, rejected spine nodes, wrong guesses)."""
-        k, keep = self.params.top_k, []
+        keep = []
         for node in fb.accepted[1:]:
-            d = fb.draft.tree.depths[node]
-            if node != 1 + (d - 1) * k or d not in self._fed:  # a leaf, or the unfed last spine node
+            d = node  # spine node d is node d (spine_tree); a leaf's index is past the spine's
+            if fb.draft.tree.depths[node] != d or d not in self._fed:  # a leaf, or the unfed last spine node
                 break
             keep.append(self._fed[d])
         self.engine.commit(list(range(self._fed[0] + 1)) + keep)
