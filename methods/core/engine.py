@@ -81,10 +81,10 @@ class BufferLayer(DynamicLayer):
         s, n = self.length, key_states.shape[-2]
         if s + n > self.capacity:
             self._grow(s + n)
-        self.kbuf[:, :, s : s + n] = key_states
-        self.vbuf[:, :, s : s + n] = value_states
+        self.kbuf.narrow(2, s, n).copy_(key_states)  # narrow: one view op where [:, :, a:b] takes three
+        self.vbuf.narrow(2, s, n).copy_(value_states)
         self.length = s + n
-        self.keys, self.values = self.kbuf[:, :, : s + n], self.vbuf[:, :, : s + n]
+        self.keys, self.values = self.kbuf.narrow(2, 0, s + n), self.vbuf.narrow(2, 0, s + n)
         return self.keys, self.values
 
     def _grow(self, needed: int) -> None:

@@ -182,9 +182,10 @@ class StagedDrafter:
         if tree is None:
             tree = self._trees[depth] = spine_tree(depth, self.params.top_k)
         k, leaves = self.params.top_k, []
-        for d in range(depth):
-            top = rows[d].topk(min(k + 1, rows[d].numel())).indices.tolist()
-            leaves += [t for t in top if t != spine[d + 1]][: k - 1]
+        if k > 1:  # one top-k over the D rows' logits
+            tops = torch.stack(rows[:depth]).topk(min(k + 1, rows[0].numel())).indices.tolist()
+            for d, top in enumerate(tops):
+                leaves += [t for t in top if t != spine[d + 1]][: k - 1]
         tokens = spine[: depth + 1] + leaves
         return Draft(tree, torch.tensor(tokens, dtype=torch.long), None)
 
