@@ -234,6 +234,14 @@ def verify_greedy(draft: Draft, p: Tensor, generator: Source | None = None) -> V
     return VerifyResult(tree.path_to(best_), nxt)
 
 
+def argmax_rows(x: Tensor) -> list[int]:
+    """Row-wise argmax of (N, V) scores as a list, the first maximum on ties (torch's and numpy's rule). On
+    CPU through numpy: torch's multi-row CPU argmax over V = 4096 took ~100 µs, numpy's 5 µs."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return x.detach().numpy().argmax(-1).tolist()
+    return x.argmax(-1).tolist()
+
+
 def greedy_path(tree: Tree, tokens: list[int], argmax: list[int]) -> tuple[tuple[int, ...], int]:
     """``verify_greedy`` on the host from the rows' argmax (lists): the same path and next token (deepest
     all-matching node, ties to the lowest index), for the one-sequence loop at temperature 0 — no (N, V)

@@ -26,6 +26,7 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
+from methods.core.verify import argmax_rows
 from methods.drafters.prompt_lookup import LookupParams, NgramIndex
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
@@ -149,7 +150,7 @@ class StagedDrafter:
     def _accept(self, spine: list[int], rows: list, logits: torch.Tensor, guess: list[int], first: int,
                 committed: list[int]) -> None:
         """Spine nodes settled by one q forward: the fed node, and the guesses while they equal q's argmax."""
-        argmax = logits.argmax(-1).tolist()
+        argmax = argmax_rows(logits)
         context = committed[:-1] + spine
         j = 0
         while True:

@@ -13,6 +13,7 @@ from methods.core.verify import (
     VERIFIERS,
     VerifyError,
     VerifyResult,
+    argmax_rows,
     chain_rejection,
     greedy_path,
     verify,
@@ -98,6 +99,18 @@ def test_greedy_path_on_the_host_equals_verify_greedy():
             want = verify_greedy(Draft(tree, tokens), probs(logits, SamplingParams(0.0)), None)
             got = greedy_path(tree, tokens.tolist(), logits.argmax(-1).tolist())
             assert got == (want.accepted, want.next_token)
+
+
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included():
+    g = _gen(4)
+    x = torch.randint(0, 3, (6, 50), generator=g).float()  # ties in every row
+    x[2, 7] = float("nan")
+    x[3] = float("-inf")
+    for scores in (x, x.double(), x[:, ::2], x.bfloat16()):
+        assert argmax_rows(scores) == scores.argmax(-1).tolist()
+    with torch.inference_mode():
+        y = x.clone()
+    assert argmax_rows(y) == x.argmax(-1).tolist()
 
 
 # ---- numerically nasty inputs ------------------------------------------------------------------------
