@@ -317,6 +317,8 @@ class ModelEngine:
 
     def _bias(self, rows: np.ndarray) -> torch.Tensor:
         """(n, P) bool attend-matrix → additive float bias on the device."""
+        if self.device.type == "cpu" and self.mask_dtype == torch.float32:  # one numpy op, no torch ops
+            return torch.from_numpy(np.where(rows, np.float32(0.0), np.float32(self._neg)))
         allowed = torch.from_numpy(rows).to(self.device, non_blocking=True)
         kw = {"dtype": self.mask_dtype, "device": self.device}
         return torch.where(allowed, torch.zeros((), **kw), torch.full((), self._neg, **kw))
