@@ -81,10 +81,10 @@ class BufferLayer(DynamicLayer):
         s, n = self.length, key_states.shape[-2]
         if s + n > self.capacity:
             self._grow(s + n)
-        self.kbuf[:, :, s : s + n] = key_states
-        self.vbuf[:, :, s : s + n] = value_states
+        self.kbuf.narrow(2, s, n).copy_(key_states)  # narrow: one view op where [:, :, a:b] takes three
+        self.vbuf.narrow(2, s, n).copy_(value_states)
         self.length = s + n
-        self.keys, self.values = self.kbuf[:, :, : s + n], self.vbuf[:, :, : s + n]
+        self.keys, self.values = self.kbuf.narrow(2, 0, s + n), self.vbuf.narrow(2, 0, s + n)
         return self.keys, self.values
 
     def _grow(self, needed: int) -> None:
@@ -317,6 +317,8 @@ class ModelEngine:
 
     def _bias(self, rows: np.ndarray) -> torch.Tensor:
         """(n, P) bool attend-matrix → additive float bias on the device."""
+        if self.device.type == "cpu" and self.mask_dtype == torch.float32:  # one numpy op, no torch ops
+            return torch.from_numpy(np.where(rows, np.float32(0.0), np.float32(self._neg)))
         allowed = torch.from_numpy(rows).to(self.device, non_blocking=True)
         kw = {"dtype": self.mask_dtype, "device": self.device}
         return torch.where(allowed, torch.zeros((), **kw), torch.full((), self._neg, **kw))

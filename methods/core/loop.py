@@ -18,7 +18,7 @@ from methods.core.drafter import Draft, DraftContext, Drafter, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs, sample
-from methods.core.verify import verifier_params, verify
+from methods.core.verify import argmax_rows, greedy_path, verifier_params, verify
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
 
@@ -146,8 +146,10 @@ def verify_step(
     target's own (argmax, or a draw from the processed p), whatever the configured verifier."""
     if draft.tree.size == 1:
         if opts.sampling.greedy:
-            return (0,), int(logits[0].argmax())
+            return (0,), argmax_rows(logits[:1])[0]
         return (0,), sample(probs(logits[0], opts.sampling), generator)
+    if opts.verifier == Verifier.greedy and opts.sampling.greedy:  # verify_greedy's result, on the host
+        return greedy_path(draft.tree, draft.tokens.tolist(), argmax_rows(logits))
     p = probs(logits, opts.sampling)  # (N, V)
     result = verify(opts.verifier, draft, p, generator, **opts.verify_params)
     return tuple(result.accepted), int(result.next_token)

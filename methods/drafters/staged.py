@@ -26,6 +26,7 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
+from methods.core.verify import argmax_rows
 from methods.drafters.prompt_lookup import LookupParams, NgramIndex
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
@@ -57,14 +58,11 @@ class StagedParams:
 
 
 def spine_tree(depth: int, k: int) -> Tree:
-    """Root, then per depth d = 1..D the k children of the spine node at d-1 (rank 0 first: the next spine
-    node). Node of the spine at depth d: 1 + (d-1)·k (d >= 1)."""
-    parents, spine = [-1], 0
-    for _ in range(depth):
-        first = len(parents)
-        parents += [spine] * k
-        spine = first
-    return Tree.from_parents(parents, [0] + list(range(k)) * depth)
+    """Root, the spine (node d at depth d = 1..D), then per depth d the k-1 leaves under spine node d-1
+    (ranks 1..k-1; the spine node is rank 0). The spine first keeps an accepted spine path a prefix of the
+    nodes, so the target commits its KV in place (no copy)."""
+    parents = list(range(-1, depth)) + [d for d in range(depth) for _ in range(k - 1)]
+    return Tree.from_parents(parents, [0] * (depth + 1) + list(range(1, k)) * depth)
 
 
 class OwnNgrams:
@@ -152,7 +150,7 @@ class StagedDrafter:
     def _accept(self, spine: list[int], rows: list, logits: torch.Tensor, guess: list[int], first: int,
                 committed: list[int]) -> None:
         """Spine nodes settled by one q forward: the fed node, and the guesses while they equal q's argmax."""
-        argmax = logits.argmax(-1).tolist()
+        argmax = argmax_rows(logits)
         context = committed[:-1] + spine
         j = 0
         while True:
@@ -184,20 +182,22 @@ class StagedDrafter:
         tree = self._trees.get(depth)
         if tree is None:
             tree = self._trees[depth] = spine_tree(depth, self.params.top_k)
-        k, tokens = self.params.top_k, [spine[0]]
-        for d in range(depth):
-            top = rows[d].topk(min(k + 1, rows[d].numel())).indices.tolist()
-            tokens += [spine[d + 1]] + [t for t in top if t != spine[d + 1]][: k - 1]
+        k, leaves = self.params.top_k, []
+        if k > 1:  # one top-k over the D rows' logits
+            tops = torch.stack(rows[:depth]).topk(min(k + 1, rows[0].numel())).indices.tolist()
+            for d, top in enumerate(tops):
+                leaves += [t for t in top if t != spine[d + 1]][: k - 1]
+        tokens = spine[: depth + 1] + leaves
         return Draft(tree, torch.tensor(tokens, dtype=torch.long), None)
 
     # ---- feedback -------------------------------------------------------------------------------------
     def feedback(self, fb: StepFeedback) -> None:
         """Keep q's KV of the committed tokens it read and of the accepted spine nodes it was fed; drop the
         rest (leaves, rejected spine nodes, wrong guesses)."""
-        k, keep = self.params.top_k, []
+        keep = []
         for node in fb.accepted[1:]:
-            d = fb.draft.tree.depths[node]
-            if node != 1 + (d - 1) * k or d not in self._fed:  # a leaf, or the unfed last spine node
+            d = node  # spine node d is node d (spine_tree); a leaf's index is past the spine's
+            if fb.draft.tree.depths[node] != d or d not in self._fed:  # a leaf, or the unfed last spine node
                 break
             keep.append(self._fed[d])
         self.engine.commit(list(range(self._fed[0] + 1)) + keep)

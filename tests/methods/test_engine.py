@@ -201,3 +201,28 @@ def test_model_made_under_inference_mode_gets_an_engine(tiny_target):
         out = engine.prefill(torch.arange(10, 30))
     torch.testing.assert_close(out.logits[0], reference_logits(tiny_target, list(range(10, 30))), atol=ATOL,
                                rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_and_rope_are_hf_bit_for_bit(tiny_target, dtype):
+    """The lean forward's RMSNorm (one fused kernel) and RoPE (roll with a signed sin table) give HF's
+    LlamaRMSNorm and apply_rotary_pos_emb exactly, in fp32 and bf16."""
+    import copy
+
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from methods.core.fast_llama import _rope
+
+    model = copy.deepcopy(tiny_target).to(dtype)
+    fast, layer = ModelEngine(model).fast, model.model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, model.config.hidden_size, generator=g) * 3).to(dtype)
+    assert torch.equal(fast._rms(x, layer.input_layernorm.weight), layer.input_layernorm(x))
+    pos = torch.tensor([0, 3, 9, 4, 17, 2, 5])
+    q = torch.randn(7, 4, fast.head_dim, generator=g).to(dtype)
+    k = torch.randn(7, 2, fast.head_dim, generator=g).to(dtype)
+    cos, sin = fast.cos[pos], fast.sin[pos]  # HF's own rotary table (the model's rotary_emb)
+    heads_first = (q.transpose(0, 1)[None], k.transpose(0, 1)[None])  # HF's (1, heads, n, D)
+    want_q, want_k = apply_rotary_pos_emb(*heads_first, cos[None], sin[None])
+    assert torch.equal(_rope(q, cos, fast.sin_rot[pos]), want_q[0].transpose(0, 1))
+    assert torch.equal(_rope(k, cos, fast.sin_rot[pos]), want_k[0].transpose(0, 1))

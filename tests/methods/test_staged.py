@@ -24,7 +24,9 @@ def method(verifier: Verifier = Verifier.greedy, **params) -> MethodConfig:
 
 def test_spine_tree_layout():
     tree = spine_tree(3, 2)
-    assert tree.parents == (-1, 0, 0, 1, 1, 3, 3) and tree.ranks == (0, 0, 1, 0, 1, 0, 1)
+    assert tree.parents == (-1, 0, 1, 2, 0, 1, 2) and tree.ranks == (0, 0, 0, 0, 1, 1, 1)
+    assert tree.children[0] == (1, 4) and tree.depths.tolist() == [0, 1, 2, 3, 1, 2, 3]
+    assert spine_tree(2, 3).parents == (-1, 0, 1, 0, 0, 1, 1)  # k = 3: two leaves per depth
     assert spine_tree(2, 1).parents == (-1, 0, 1)  # k = 1: a chain
 
 

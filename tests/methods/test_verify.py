@@ -13,7 +13,9 @@ from methods.core.verify import (
     VERIFIERS,
     VerifyError,
     VerifyResult,
+    argmax_rows,
     chain_rejection,
+    greedy_path,
     verify,
     verify_deterministic,
     verify_greedy,
@@ -82,6 +84,33 @@ def test_greedy_equals_deterministic_rule_on_one_hot_p():
                 tokens[list(kids)] = torch.randperm(3, generator=g)[: len(kids)]
         draft = Draft(tree, tokens)
         assert verify_greedy(draft, p, None) == verify_deterministic(draft, p, g)
+
+
+def test_greedy_path_on_the_host_equals_verify_greedy():
+    """The one-sequence loop's host walk (argmax lists) takes verify_greedy's path and next token on random
+    trees with duplicate siblings, ties in p and chains."""
+    g = _gen(3)
+    trees = [Tree.chain(4), Tree.chain(0), Tree.kary(2, 3), Tree.kary(3, 2),
+             Tree.from_parents([-1, 0, 0, 1, 2, 2, 4, 3, 0])]
+    for _ in range(60):
+        for tree in trees:
+            logits = torch.randint(0, 3, (tree.size, 4), generator=g).float()  # many ties
+            tokens = torch.randint(0, 4, (tree.size,), generator=g)  # duplicate siblings
+            want = verify_greedy(Draft(tree, tokens), probs(logits, SamplingParams(0.0)), None)
+            got = greedy_path(tree, tokens.tolist(), logits.argmax(-1).tolist())
+            assert got == (want.accepted, want.next_token)
+
+
+def test_argmax_rows_is_torch_argmax_ties_and_nan_included():
+    g = _gen(4)
+    x = torch.randint(0, 3, (6, 50), generator=g).float()  # ties in every row
+    x[2, 7] = float("nan")
+    x[3] = float("-inf")
+    for scores in (x, x.double(), x[:, ::2], x.bfloat16()):
+        assert argmax_rows(scores) == scores.argmax(-1).tolist()
+    with torch.inference_mode():
+        y = x.clone()
+    assert argmax_rows(y) == x.argmax(-1).tolist()
 
 
 # ---- numerically nasty inputs ------------------------------------------------------------------------
