@@ -212,6 +212,34 @@ def test_measured_cost_prices_the_loop_step():
     assert to_measured_cost(_profile()).time(8) == pytest.approx(prof.t_n[8])
 
 
+def test_verification_overhead_grows_with_the_tree():
+    """The loop's verification beyond the forward, measured on the drafter's chain, is priced per tree size:
+    + v(n) − v(loop tree), timed per size for trees and chains (specinfer/greedy walks cost more on trees)."""
+    t1 = 1.1e-3
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=2e-4 / t1)
+    prof.extra.update(verify_step_ratios={"0": 0.05, "8": 0.1, "64": 0.3},
+                      verify_chain_ratios={"8": 0.06, "64": 0.2})
+    wide, chain = to_measured_cost(prof), to_measured_cost(prof, chain=True)
+    assert wide.time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.3 - 0.05) * t1)
+    assert chain.time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.2 - 0.05) * t1)
+    assert wide.time(8) == pytest.approx(prof.t_n[8] + 2e-4 + (0.1 - 0.05) * t1)
+    assert wide.time(16) == pytest.approx(prof.t_n[16] + 2e-4)  # a size it was not timed at: no growth
+    assert wide.time(1) == pytest.approx(t1)
+    no_loop = dataclasses.replace(prof, verify_overhead_ratio=0.0)  # vLLM: the loop's overhead not priced
+    assert to_measured_cost(no_loop).time(64) == pytest.approx(prof.t_n[64])
+
+
+def test_cost_rounds_time_the_verification_per_size():
+    from methods.measurement.cost_table import T_AR, VCHAIN, VSTEP, cost_table
+
+    rounds = [{T_AR: 1.0, 4: 1.2, (VSTEP, 0): 0.02, (VSTEP, 4): 0.05, (VCHAIN, 4): 0.03},
+              {T_AR: 2.0, 4: 2.4, (VSTEP, 0): 0.04, (VSTEP, 4): 0.12, (VCHAIN, 4): 0.06}]
+    table = cost_table(rounds)
+    assert table.verify_step_ratios == {(VSTEP, 0): pytest.approx(0.02), (VSTEP, 4): pytest.approx(0.055),
+                                        (VCHAIN, 4): pytest.approx(0.03)}
+    assert not any("vstep" in k or "vchain" in k for k in table.dispersion)  # no verdict on the rounds
+
+
 def test_a_profile_keeps_ratios_of_t1_and_re_anchors_them(run_config):
     """Costs are ratios of t(1): on another t(1) every cost scales with it and the predicted speedup of a
     tree does not move (S = k̄ · t(1) / t_step); the absolute step time does."""
