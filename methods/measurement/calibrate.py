@@ -39,6 +39,7 @@ from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
+    QLEVEL,
     SHARED,
     T_AR,
     TIMING_ATTEMPTS,
@@ -417,12 +418,15 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
 
     shared = {"on": True}
     checks = _verify_inputs(run, sizes)
+    levels_in = _draft_level_inputs(run, sizes)
 
     def forwards() -> dict:
         run.target.reset()
         run.target.prefill(context)
         out = forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
         out.update(_verify_round(run, checks))
+        if levels_in is not None:
+            out.update(_draft_level_round(run, context, *levels_in))
         if shared["on"]:
             seconds = shared_verify_time(run, context)
             shared["on"] = seconds is not None
@@ -430,6 +434,57 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         return out
 
     return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
+
+
+LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
+LEVEL_CHILDREN = 4  # children drawn per fed node when a level is timed
+
+
+def _draft_modes(run: _Run) -> tuple[str, int] | None:
+    """(sampling mode, draft models) of a drafter that fills trees level by level with a draft model (the
+    vanilla/Sequoia drafter, SpecInfer's members), else None."""
+    members = getattr(run.drafter, "members", None) or [run.drafter]
+    mode = getattr(members[0], "mode", None)
+    if run.draft is None or mode is None or run.cfg.method.draft_steps != "depth":
+        return None
+    return mode, len(members)
+
+
+def _draft_level_inputs(run: _Run, sizes: list[int]) -> tuple[dict, dict, str] | None:
+    """Star trees of w nodes for the draft model (one level fed w nodes), w in LEVEL_WIDTHS up to the largest
+    size, and the drafter's sampling mode; None for drafters without a draft model filled per level."""
+    modes = _draft_modes(run)
+    if modes is None:
+        return None
+    widths = [w for w in LEVEL_WIDTHS if w <= max(sizes)]
+    trees, tokens = star_inputs(run.draft, widths, run.cfg.seed)
+    return trees, tokens, modes[0]
+
+
+def _draft_level_round(run: _Run, context: torch.Tensor, trees: dict, tokens: dict, mode: str) -> dict:
+    """Seconds of one draft level fed w nodes: the draft model's forward of w nodes after ``context``
+    (median of FORWARD_REPEAT) plus the choice of LEVEL_CHILDREN children from each of the w rows in the
+    drafter's mode (top-k, draws with or without replacement). Keyed (QLEVEL, w)."""
+    run.draft.reset()
+    run.draft.prefill(context[: min(context.numel(), context_length(run.models.draft) - 64)])
+    fwd = forward_round(run.draft, trees, tokens, repeat=FORWARD_REPEAT)
+    run.draft.reset()
+    out = {}
+    for w in trees:
+        logits = torch.randn(w, int(run.draft.model.config.get_text_config().vocab_size))
+        times = []
+        for _ in range(FORWARD_REPEAT):
+            t0 = time.perf_counter()
+            if mode == "topk":
+                logits.topk(LEVEL_CHILDREN, dim=-1)
+            elif mode == "with_replacement":
+                torch.multinomial(probs(logits, run.sampling), LEVEL_CHILDREN, replacement=True,
+                                  generator=run.generator)
+            else:
+                draw_without_replacement(probs(logits, run.sampling), LEVEL_CHILDREN, run.generator)
+            times.append(time.perf_counter() - t0)
+        out[(QLEVEL, w)] = fwd[w] + float(np.median(times))
+    return out
 
 
 def _verify_inputs(run: _Run, sizes: list[int]) -> dict[tuple[str, int], tuple[Draft, torch.Tensor]]:
@@ -658,6 +713,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # verification overhead of a tree of n nodes is the loop's measured one + v(n) − v(0)
         "verify_step_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VSTEP},
         "verify_chain_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VCHAIN},
+        # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
+        "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
+        "draft_models": (_draft_modes(run) or ("", 0))[1],
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,

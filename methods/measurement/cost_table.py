@@ -29,6 +29,7 @@ T_AR, DRAFT, VERIFY = "t_ar", "draft", "verify"  # a round's loop figures; its t
 SHARED = "shared"  # self-speculation's verify forward of the loop's chain resumed on the draft's shared KV
 # (VSTEP, n) / (VCHAIN, n): the loop's verification of an n-node tree / chain from its logits (0: its tree)
 VSTEP, VCHAIN = "vstep", "vchain"
+QLEVEL = "qlevel"  # (QLEVEL, w): one draft level fed w nodes (draft forward + choice of the children)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN)}
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
                      steps)

@@ -304,6 +304,20 @@ def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
     return (float(shaped[str(n)]) - float(steps["0"])) * profile.t_ar_s
 
 
+def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
+    """Seconds of one draft level by its width w (the nodes fed to the draft model), for drafters filling
+    trees level by level with draft models: the level the loop measured on the drafter's chain (w = 1) plus
+    the timed growth of the draft forward and the children's choice with w, once per draft model (SpecInfer:
+    every member runs each level). A chain-measured level priced every level of a wide tree (Sequoia-32 at
+    T = 1: 0.83 ms priced, 1.29 ms measured per level). None when the calibration did not time it."""
+    ratios = profile.extra.get("draft_level_ratios") or {}
+    if "1" not in ratios or cfg.method.draft_steps != "depth" or profile.draft_time_s <= 0:
+        return None
+    k, base = int(profile.extra.get("draft_models") or 1), float(ratios["1"])
+    table = {int(w): profile.draft_time_s + k * (float(r) - base) * profile.t_ar_s for w, r in ratios.items()}
+    return MeasuredCost.from_mapping(table)
+
+
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
     """A copy of ``cfg`` whose acceptance model is the measured one, by ``source``: the positional vector
     (``vector``; one per depth where the profile has them, e.g. Medusa's heads), the α_d of the drafter's
@@ -429,7 +443,7 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict
     if multi is not None:
         tree = multi[0]
     here_cfg, measured = apply_profile(cfg, profile), to_measured_cost(profile, chain=tree.width <= 1)
-    here = _summary(simulate(here_cfg, profile=measured, tree=tree))
+    here = _summary(simulate(here_cfg, profile=measured, tree=tree, draft_levels=draft_levels(cfg, profile)))
     preset_cfg = measured_acceptance(cfg, profile)
     preset = _summary(simulate(preset_cfg, tree=tree))
     exits = exit_prediction(cfg, profile, tree)
@@ -448,7 +462,8 @@ def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, 
     Returns (tree, the simulator's prediction for it with this device's measured profile — the validation
     figure — and its prediction on the hardware preset's roofline). Decode with ``sequoia_config(cfg, …)``."""
     scfg = sequoia_config(cfg, profile)
-    sizing = (CostModel.from_config(apply_profile(scfg, profile), to_measured_cost(profile))
+    sizing = (CostModel.from_config(apply_profile(scfg, profile), to_measured_cost(profile),
+                                    draft_levels(scfg, profile))
               if cfg.hardware.measured else CostModel.from_config(scfg))
     tree = build_tree(scfg.tree, PositionalAcceptance(tuple(scfg.method.acceptance.vector)), sizing)
     return (tree, *tree_predictions(scfg, profile, tree))
@@ -461,7 +476,7 @@ def dynamic_tree_for(cfg: RunConfig, profile: Profile) -> Tree:
     and draft time. The real tree re-ranks per context, so it can beat this context-free tree."""
     mcfg = apply_profile(cfg, profile)
     return build_tree(mcfg.tree, from_config(mcfg.method.acceptance),
-                      CostModel.from_config(mcfg, to_measured_cost(profile)))
+                      CostModel.from_config(mcfg, to_measured_cost(profile), draft_levels(cfg, profile)))
 
 
 def profile_config(cfg: RunConfig) -> RunConfig:

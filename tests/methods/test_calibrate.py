@@ -29,6 +29,7 @@ from methods.measurement.calibrate import (
 from methods.measurement.profiles import (
     Profile,
     apply_profile,
+    draft_levels,
     load_profile,
     measured_acceptance,
     prediction_metrics,
@@ -137,6 +138,14 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
     assert prof.acceptance_by_depth and all(0 <= a <= 1 for a in prof.acceptance_by_depth)
+    # the verification per tree size and the draft level per width, timed in the same rounds
+    assert set(prof.extra["verify_step_ratios"]) == {"0", *(str(n) for n in prof.t_n if n > 1)}
+    assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
+    assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
+    levels = draft_levels(cfg, prof)
+    assert levels.time(1) == pytest.approx(prof.draft_time_s)
+    growth = prof.extra["draft_level_ratios"]["8"] - prof.extra["draft_level_ratios"]["1"]
+    assert levels.time(8) == pytest.approx(prof.draft_time_s + growth * prof.t_ar_s)
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
