@@ -477,3 +477,45 @@ def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
         stats.record(Tree.chain(3), tuple(range(k + 1)))
     ranks = _loop_ranks(stats, 3)
     assert [r.count(0) / len(r) for r in ranks[:2]] == [3 / 4, 1 / 3] and ranks[2] == [None]
+
+
+# ---- sampled drafts and several drafts ---------------------------------------------------------------------
+SMALL_SELF = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=2",
+              "calibration.new_tokens=6", "calibration.depth_prompts=1", "calibration.reps=2",
+              "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+
+
+@pytest.mark.slow
+def test_draft_verify_sampled_exit_is_calibrated_at_the_runs_temperature(run_config, tiny_models, cache):
+    """At temperature 1 the drafter draws x ~ q and exits when q(x) < γ_th: the confidence table is the
+    law of q(x) with the rejection rule's acceptance min(1, p/q) (before: T = 0 only, a full chain priced)."""
+    from methods.measurement.profiles import exit_prediction
+
+    cfg = run_config(*SMALL_SELF, "method=draft_verify", "method.params.skip=config",
+                     "method.params.skip_mlp=[0]", "method.params.gamma=4", "tree=chain", "tree.gamma=4",
+                     "workload.temperature=1", "method.verifier=chain")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    table = prof.extra["exit_confidence"]
+    assert table["sampled"] and table["positions"] == 2 * 6 and sum(table["mass"]) == pytest.approx(1.0)
+    assert 0 < table["alpha"] < 1
+    run = exit_prediction(cfg, prof, Tree.chain(4))
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert here["predicted_tau"] == pytest.approx(run.tau) and 1 <= run.tau <= 1 + run.draft_length
+
+
+@pytest.mark.slow
+def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
+    """SpecInfer's calibration keeps each draft's proposals along the trajectories, and its prediction prices
+    the merged tree's τ from them (specsim.multidraft), on the union budget of its members."""
+    from methods.drafters.specinfer import union_tree
+    from specsim.multidraft import Replay, expected_tokens
+
+    cfg = run_config(*SMALL_SELF, "method=specinfer", "method.params.source=copies", "tree=chain",
+                     "tree.gamma=3")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    doc = prof.extra["multi_draft"]
+    assert doc["members"] == 3 and len(doc["ranks"]) == 2 and len(doc["ranks"][0][0]) == 3
+    here, preset = tree_predictions(cfg, prof, union_tree(Tree.chain(3), 3))
+    tau = expected_tokens(Replay.from_json(doc), Tree.chain(3))
+    assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
+    assert here["tree_size"] == 1 + 3 * 3  # priced on the merged budget
