@@ -12,16 +12,16 @@ comes in runs, and the drafts agree on it). Depth-wise marginals of the merged t
 price the union of K trees as K unrelated copies (quiet sweep: τ −31% to −74%). The model here keeps the
 correlation by construction: along the target's own trajectories (the calibration split) it stores, per
 position s and draft k, what k proposes there given the true prefix — the rank of the target's token in q_k
-(temperature 0), or q_k's top-M tokens with their q_k and p probabilities (temperature > 0) — and walks the
+(temperature 0), or the whole laws q_k and p (temperature > 0) — and walks the
 merged tree over consecutive positions, keeping the set of drafts still alive on the accepted path:
 
 - temperature 0: exact. Draft k is alive at depth d iff its tree holds the first d trajectory tokens, i.e.
   the ranks of those tokens in q_k trace a path of the member tree; τ = 1 + max_k (its accepted depth).
-- temperature > 0: the MSS walk simulated per position (``reps`` times): each alive draft draws its node's
-  children from q_k, the draws are tested in merge order, and the drafts that drew the accepted token go on
-  to its children. The accepted token's law is p (MSS is lossless), as the trajectory's own next token is, so
-  the next position's p and q_k are taken from the trajectory: positions, not tokens, are replayed. q_k
-  beyond its top-M is dropped (a loss of at most its tail mass in acceptance).
+- temperature > 0: the MSS walk simulated per position (``reps`` times) on the whole laws p and q_k: each
+  alive draft draws its node's children from q_k, the draws are tested in merge order, and the drafts that
+  drew the accepted token go on to its children. The accepted token's law is p (MSS is lossless), as the
+  trajectory's own next token is, so the next position's p and q_k are taken from the trajectory: positions,
+  not tokens, are replayed (the same approximation as every star tree measured along a trajectory).
 """
 
 from __future__ import annotations
@@ -33,21 +33,20 @@ import numpy as np
 
 from specsim.tree import Tree
 
-TOP_M = 16  # tokens of q_k kept per position at temperature > 0 (mass beyond: a lower bound on acceptance)
-
 
 @dataclass(frozen=True)
 class Replay:
     """Per-position proposals of K drafts along calibration trajectories, one array per prompt.
 
     ranks[i]: (T_i, K) int, the rank of the target's token in q_k at position s of prompt i (−1: beyond the
-    ranks recorded) — temperature 0. tokens/q/p[i]: (T_i, K, M) q_k's top-M tokens, their q_k probability
-    (renormalised over the M) and their p probability — temperature > 0 (``ranks`` then empty)."""
+    ranks recorded) — temperature 0 (then the laws are empty)."""
 
     ranks: tuple[np.ndarray, ...] = ()
-    tokens: tuple[np.ndarray, ...] = ()
-    q: tuple[np.ndarray, ...] = ()
-    p: tuple[np.ndarray, ...] = ()
+    # temperature > 0, whole laws: p_rows[i] (T_i, V) and q_rows[i] (T_i, K, V) — a small draft model's q
+    # can be flat with a long tail (the zoo at T = 1: q's top 256 tokens hold 83% of p, Σ min(p, q) = 0.80
+    # over the vocabulary, 0.54 over q's top 16), so a top-M cut misprices acceptance
+    p_rows: tuple[np.ndarray, ...] = ()
+    q_rows: tuple[np.ndarray, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -55,22 +54,29 @@ class Replay:
 
     @property
     def members(self) -> int:
-        return int((self.ranks or self.tokens)[0].shape[1])
+        return int((self.ranks or self.q_rows)[0].shape[1])
 
-    def to_json(self) -> dict:
+    def positions(self, i: int) -> int:
+        return int((self.ranks or self.p_rows)[i].shape[0])
+
+    def to_json(self, rows_file: str | None = None) -> dict:
+        """JSON for a profile; whole laws go to ``rows_file`` (an .npz, float16), named in the JSON."""
         if self.greedy:
             return {"ranks": [r.tolist() for r in self.ranks]}
-        return {"tokens": [t.tolist() for t in self.tokens],
-                "q": [np.round(x, 5).tolist() for x in self.q],
-                "p": [np.round(x, 5).tolist() for x in self.p]}
+        assert rows_file, "whole laws need a rows file"
+        arrays = {f"p{i}": x.astype(np.float16) for i, x in enumerate(self.p_rows)}
+        arrays.update({f"q{i}": x.astype(np.float16) for i, x in enumerate(self.q_rows)})
+        np.savez_compressed(rows_file, **arrays)
+        return {"rows_file": str(rows_file), "prompts": len(self.p_rows)}
 
     @classmethod
     def from_json(cls, doc: dict) -> Replay:
         if "ranks" in doc:
             return cls(ranks=tuple(np.asarray(r, dtype=np.int64).reshape(len(r), -1) for r in doc["ranks"]))
-        return cls(tokens=tuple(np.asarray(t, dtype=np.int64) for t in doc["tokens"]),
-                   q=tuple(np.asarray(x, dtype=float) for x in doc["q"]),
-                   p=tuple(np.asarray(x, dtype=float) for x in doc["p"]))
+        with np.load(doc["rows_file"]) as z:
+            norm = [(z[f"p{i}"].astype(float), z[f"q{i}"].astype(float)) for i in range(doc["prompts"])]
+        return cls(p_rows=tuple(p / p.sum(-1, keepdims=True) for p, _ in norm),
+                   q_rows=tuple(q / q.sum(-1, keepdims=True) for _, q in norm))
 
 
 def union_tree(tree: Tree, k: int) -> Tree:
@@ -119,31 +125,19 @@ def _greedy_walk(ranks: np.ndarray, t: int, tree: Tree, kids: list[dict[int, int
     return d
 
 
-def _local(tokens: np.ndarray, q: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One position's laws on the union U of the drafts' top-M tokens, plus a last bucket (everything outside
-    U: no draft proposes it, p keeps its mass there). Returns (U, p over U + bucket, (K, |U| + 1) q_k)."""
-    vocab, idx = np.unique(tokens, return_inverse=True)
-    idx = idx.reshape(tokens.shape)
-    pu = np.zeros(vocab.size + 1)
-    pu[idx.ravel()] = p.ravel()
-    pu[-1] = max(0.0, 1.0 - pu[:-1].sum())
-    qs = np.zeros((tokens.shape[0], vocab.size + 1))
-    for k in range(tokens.shape[0]):
-        qs[k, idx[k]] = q[k]
-    return idx, pu / pu.sum(), qs / np.maximum(qs.sum(1, keepdims=True), 1e-300)
-
-
-def _mss_node(alive: dict[int, tuple[int, ...]], tree: Tree, law: tuple, rng: np.random.Generator
-              ) -> dict[int, tuple[int, ...]]:
+def _mss_node(alive: dict[int, tuple[int, ...]], tree: Tree, law: tuple[np.ndarray, np.ndarray],
+              rng: np.random.Generator) -> dict[int, tuple[int, ...]]:
     """One merged node under MSS. ``alive``: each draft still on the accepted path → its member nodes that
     merged into this node (a draft that drew one token twice has two). The drafts' draws in merge order
     (draft by draft, node order) are tested in turn; the drafts that drew the accepted token go on to every
     child of theirs holding it; {} = every draw rejected."""
-    idx, p, qs = law
-    draws = []  # (draft, member child, local token)
+    p, qs = law
+    draws = []  # (draft, member child, token)
     for k, nodes in sorted(alive.items()):
-        for c in sorted(c for v in nodes for c in tree.children[v]):
-            draws.append((k, c, int(rng.choice(qs.shape[1], p=qs[k]))))
+        kids = sorted(c for v in nodes for c in tree.children[v])
+        if kids:
+            xs = np.searchsorted(np.cumsum(qs[k]), rng.random(len(kids)) * qs[k].sum(), side="right")
+            draws += [(k, c, int(min(x, qs.shape[1] - 1))) for c, x in zip(kids, xs)]
     for k, _, x in draws:
         if rng.random() * qs[k, x] < p[x]:  # accept w.p. min(1, p_j(x) / q_k(x))
             nxt: dict[int, tuple[int, ...]] = {}
@@ -158,10 +152,10 @@ def _mss_node(alive: dict[int, tuple[int, ...]], tree: Tree, law: tuple, rng: np
 
 def _sampled_walk(replay: Replay, i: int, t: int, tree: Tree, rng: np.random.Generator) -> int:
     alive: dict[int, tuple[int, ...]] = {k: (0,) for k in range(replay.members)}
-    n, d = replay.tokens[i].shape[0], 0
+    n, d = replay.positions(i), 0
     while alive and t + d < n:
         s = t + d
-        alive = _mss_node(alive, tree, _local(replay.tokens[i][s], replay.q[i][s], replay.p[i][s]), rng)
+        alive = _mss_node(alive, tree, (replay.p_rows[i][s], replay.q_rows[i][s]), rng)
         d += 1 if alive else 0
     return d
 
@@ -180,8 +174,8 @@ def accepted_law(replay: Replay, tree: Tree, reps: int = 16, seed: int = 0) -> n
                 counts[1 + _greedy_walk(ranks, t, tree, kids)] += 1
     else:
         rng = np.random.default_rng(seed)
-        for i, toks in enumerate(replay.tokens):
-            for t in _roots(toks.shape[0], tree.depth):
+        for i in range(len(replay.p_rows)):
+            for t in _roots(replay.positions(i), tree.depth):
                 for _ in range(reps):
                     counts[1 + _sampled_walk(replay, i, t, tree, rng)] += 1
     assert counts.sum() > 0, "the replay has no position"

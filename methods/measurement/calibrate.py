@@ -70,7 +70,7 @@ from specsim.adaptive_exit import ConfidenceTable
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.cost import CostModel
 from specsim.io import atomic_write_json
-from specsim.multidraft import TOP_M, Replay, member_ranks
+from specsim.multidraft import Replay, member_ranks
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
@@ -567,29 +567,28 @@ def shared_verify_time(run: _Run, context: torch.Tensor, clock: Callable[[], flo
 def multi_draft_replay(run: _Run, seqs: list[torch.Tensor]) -> dict[str, Any] | None:
     """For a drafter merging K draft models (SpecInfer's ``members``): what each draft proposes at every
     position of the target's own trajectories given the true prefix — the rank of the target's token in q_k
-    at temperature 0, q_k's top-M tokens with their q_k and p probabilities otherwise — the replay its merged
-    tree's τ is priced with (specsim.multidraft: the correlation within a draft's branch kept)."""
+    at temperature 0; the whole laws p and q_k otherwise (kept beside the profile in an .npz: a top-M cut of
+    a flat q misprices acceptance) — the replay its merged tree's τ is priced with (specsim.multidraft: the
+    correlation within a draft's branch kept)."""
     members = getattr(run.drafter, "members", None)
     if not members or run.cfg.method.drafter != "specinfer":
         return None
-    greedy, replay = run.sampling.greedy, {"ranks": [], "tokens": [], "q": [], "p": []}
+    greedy, ranks, p_rows, q_rows = run.sampling.greedy, [], [], []
     for ids, seq in zip(run.prompts, seqs):
         roots = torch.arange(ids.numel() - 1, seq.numel() - 1)
         logits = [_forward_all(m.engine, seq).logits[roots].float() for m in members]  # K × (T, V)
         if greedy:
             nxt = seq[roots + 1].numpy()
             width = run.cfg.calibration.width
-            replay["ranks"].append(member_ranks(nxt, [x.cpu().numpy() for x in logits], width))
+            ranks.append(member_ranks(nxt, [x.cpu().numpy() for x in logits], width))
             continue
-        p = probs(_forward_all(run.target, seq).logits[roots].float(), run.sampling)  # (T, V)
-        top = [torch.topk(probs(x, run.sampling), TOP_M, dim=-1) for x in logits]
-        tokens = torch.stack([t.indices for t in top], 1)  # (T, K, M)
-        q = torch.stack([t.values / t.values.sum(-1, keepdim=True) for t in top], 1)
-        replay["tokens"].append(tokens.cpu().numpy())
-        replay["q"].append(q.cpu().numpy())
-        replay["p"].append(p.gather(-1, tokens.flatten(1)).view(tokens.shape).cpu().numpy())
-    doc = Replay(**{k: tuple(v) for k, v in replay.items()}).to_json()
-    return {"members": len(members), "top_m": None if greedy else TOP_M, **doc}
+        p_rows.append(probs(_forward_all(run.target, seq).logits[roots].float(), run.sampling).cpu().numpy())
+        q_rows.append(torch.stack([probs(x, run.sampling) for x in logits], 1).cpu().numpy())  # (T, K, V)
+    replay = Replay(ranks=tuple(ranks), p_rows=tuple(p_rows), q_rows=tuple(q_rows))
+    rows = None if greedy else profile_path(run.cfg).with_suffix(".replay.npz")
+    if rows is not None:
+        rows.parent.mkdir(parents=True, exist_ok=True)
+    return {"members": len(members), **replay.to_json(None if rows is None else str(rows))}
 
 
 @torch.inference_mode()
