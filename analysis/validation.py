@@ -11,6 +11,7 @@ t_verify = t(n) + the loop's verification overhead (methods.measurement.profiles
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--methods", nargs="*", help="only these method presets")
     run.add_argument("--workloads", nargs="*", default=list(vr.WORKLOADS))
     run.add_argument("--temperatures", nargs="*", type=float, default=list(vr.TEMPERATURES))
+    run.add_argument("--rows", nargs="*", help="only rows whose id matches one of these shell patterns "
+                     "(e.g. 'specinfer__*' 'medusa__natural__prose__T0')")
     run.add_argument("--minutes", type=float, help="start no new row after this many minutes")
     run.add_argument("--dry-run", action="store_true", help="list the rows and the excluded combinations")
     rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
@@ -52,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     methods = args.methods or (list(vr.SMALL_METHODS) if args.small else None)
     extra = vr.SMALL if args.small else ()
     selected = vr.rows(methods, args.workloads, args.temperatures, extra)
+    if args.rows:
+        selected = [r for r in selected if any(fnmatch.fnmatchcase(r.row_id, pat) for pat in args.rows)]
     out = args.out or DEFAULT_OUT / ("micro" if args.small else "zoo")
     if args.dry_run:
         for row in selected:

@@ -3,9 +3,11 @@ draft length, the accepted length and the draft forwards of a chain drafted unde
 rule's threshold over a run.
 
 Notation: p = target, q = draft, γ = the longest draft, c = q's confidence in its drafted token (top-1
-probability at temperature 0), a = whether p accepts that token, γ_th = the exit threshold. The draft's first
-token is always kept; drafting goes on to depth d ≥ 2 only while c_d ≥ γ_th. A forward that falls below the
-threshold has been paid for, so a draft of k < γ tokens costs k + 1 draft forwards (γ when it runs to γ).
+probability at temperature 0; q(x) of the drawn token x when drafts are sampled), a = whether p accepts that
+token (p's argmax agrees at temperature 0; the rejection rule's coin, w.p. min(1, p(x)/q(x)), when sampled),
+γ_th = the exit threshold. The draft's first token is always kept; drafting goes on to depth d ≥ 2 only while
+c_d ≥ γ_th. A forward that falls below the threshold has been paid for, so a draft of k < γ tokens costs
+k + 1 draft forwards (γ when it runs to γ).
 
 Positions are taken as independent draws of (c, a) from a calibrated :class:`ConfidenceTable` (the draft's
 confidence histogram with the acceptance rate in each bin, measured along the target's own generations). With
@@ -63,16 +65,22 @@ class ConfidenceTable:
         assert all(0 <= a <= 1 for a in self.accept), "acceptance rates outside [0, 1]"
 
     @classmethod
-    def from_samples(cls, confidence: Sequence[float], accepted: Sequence[bool], bins: int = 50
-                     ) -> ConfidenceTable:
+    def from_samples(cls, confidence: Sequence[float], accepted: Sequence[float], bins: int = 50,
+                     weights: Sequence[float] | None = None) -> ConfidenceTable:
+        """From positions' (c, a): ``accepted`` a bool or the probability that p accepts the token, and
+        ``weights`` the probability of each (c, a) pair. Temperature 0: one pair per position (q's argmax, a
+        whether p's argmax agrees). Sampled drafts: every token x of q at each position, c = q(x), a =
+        min(1, p(x)/q(x)) (the rejection rule), weight q(x)/positions — the exact law of a drawn token."""
         c, a = np.clip(np.asarray(confidence, float), 0, 1), np.asarray(accepted, float)
         assert c.size and c.size == a.size, "need as many acceptances as confidences"
+        w = np.ones(c.size) if weights is None else np.asarray(weights, float)
+        assert w.size == c.size and (w >= 0).all() and w.sum() > 0, "weights: one >= 0 per confidence"
         edges = np.linspace(0, 1, bins + 1)
         idx = np.minimum((c * bins).astype(int), bins - 1)
-        count = np.bincount(idx, minlength=bins)
-        hits = np.bincount(idx, weights=a, minlength=bins)
-        rate = np.divide(hits, count, out=np.zeros(bins), where=count > 0)
-        return cls(tuple(edges.tolist()), tuple((count / c.size).tolist()), tuple(rate.tolist()))
+        count = np.bincount(idx, weights=w, minlength=bins)
+        hits = np.bincount(idx, weights=w * a, minlength=bins)
+        rate = np.clip(np.divide(hits, count, out=np.zeros(bins), where=count > 0), 0, 1)
+        return cls(tuple(edges.tolist()), tuple((count / count.sum()).tolist()), tuple(rate.tolist()))
 
     @property
     def alpha(self) -> float:

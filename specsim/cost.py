@@ -152,11 +152,23 @@ class DraftCost:
     one_pass: bool = False
     model: TargetCost | None = None
     tokens_per_forward: float = 1.0
+    # a level's width = the nodes of the level above that have children (what a draft model is fed; a
+    # measured per-width table, methods.measurement.profiles.draft_levels), else every node of that level
+    fed_width: bool = False
+
+    def widths(self, tree: Tree) -> list[int]:
+        if self.one_pass:
+            return [1]
+        if self.fed_width:
+            fed = np.zeros(tree.size, dtype=bool)
+            fed[[p for p in tree.parents[1:]]] = True
+            return np.bincount(tree.depths[fed], minlength=tree.depth)[: tree.depth].tolist()
+        return tree.level_sizes()[: tree.depth].tolist()
 
     def time(self, tree: Tree, t1: float) -> float:
         if tree.depth == 0:
             return 0.0  # nothing drafted: plain decoding
-        widths = [1] if self.one_pass else tree.level_sizes()[: tree.depth].tolist()
+        widths = self.widths(tree)
         if self.model is None:
             steps = self.ratio * t1 * len(widths)
         else:
@@ -184,9 +196,11 @@ class CostModel:
     verify_saving: float = 0.0  # calibrated: the measured shared-cache saving per step / t_AR (replaces ρ_v)
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None) -> CostModel:
+    def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None,
+                    draft_levels: TargetCost | None = None) -> CostModel:
         """Roofline of hardware × model (or the measured ``profile``) and the method's draft cost.
-        ``method.draft_cost == "roofline"`` prices the draft with the draft model's roofline."""
+        ``method.draft_cost == "roofline"`` prices the draft with the draft model's roofline; a measured
+        ``draft_levels`` (seconds of one draft level fed w nodes) prices each level by its width."""
         target = profile or Roofline.from_config(
             cfg.hardware, ModelShape.target(cfg.model), cfg.workload.context_tokens
         )
@@ -199,6 +213,8 @@ class CostModel:
         one = m.draft_steps == "one"
         per_forward = m.draft_tokens_per_forward
         draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
+        if draft_levels is not None and not one:
+            draft = replace(draft, model=draft_levels, fed_width=True)
         return cls(target, draft, m.verify_extra_tokens, m.verify_reuse_ratio, m.verify_saving_ratio)
 
     @property

@@ -61,14 +61,16 @@ def _inputs(cfg: RunConfig) -> dict[str, Any]:
     return {**flat(cfg), **ident}
 
 
-def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | None = None) -> Prediction:
+def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | None = None,
+             draft_levels: TargetCost | None = None) -> Prediction:
     """Predict τ and speedup for ``cfg``. ``profile`` (a measured t(n), e.g. specsim.cost.MeasuredCost)
     replaces the roofline; ``tree`` is the exact tree a real run used (else built from ``cfg.tree``).
     A method without a drafter (plain decoding) predicts the root alone: k̄ = 1, speedup 1.
     Sequoia and dynamic trees need a positional vector: without a measured one it is derived from the
-    α model (specsim.trees.acceptance_vector); τ itself is always computed under the method's model."""
+    α model (specsim.trees.acceptance_vector); τ itself is always computed under the method's model.
+    ``draft_levels`` (a measured draft level's seconds per width) prices the draft level by level."""
     model = from_config(cfg.method.acceptance)
-    cost = CostModel.from_config(cfg, profile)
+    cost = CostModel.from_config(cfg, profile, draft_levels)
     kind = TreeKind(cfg.tree.kind)
     if tree is None:  # a method without a drafter proposes nothing, whatever the tree preset says
         tree = Tree.chain(0) if cfg.method.drafter == NO_DRAFTER else build_tree(cfg.tree, model, cost)

@@ -19,6 +19,7 @@ from methods.core.drafter import Draft, DraftContext, Draws, StepFeedback
 from methods.core.sampling import SamplingParams
 from methods.drafters.vanilla import DraftModelDrafter
 from specsim.config import MethodConfig, Verifier
+from specsim.multidraft import union_tree
 from specsim.tree import Tree
 
 _MODES = {Verifier.greedy: "topk", Verifier.deterministic: "topk", Verifier.typical: "topk",
@@ -120,15 +121,6 @@ def merge(parts: list[Draft], sampled: bool) -> _Merged:
     draft = Draft(Tree.from_parents(parents, ranks), torch.tensor(tokens, dtype=torch.long, device=dev),
                   None, draws=draws)
     return _Merged(draft, tuple(parts), tuple(where_all))
-
-
-def union_tree(tree: Tree, k: int) -> Tree:
-    """K copies of ``tree`` under one root, first-level siblings interleaved (copy c's rank-r child gets rank
-    r·K + c): the merged tree's node budget when no prefix is shared."""
-    if tree.size == 1 or k == 1:
-        return tree
-    paths = [(p[0] * k + c, *p[1:]) for c in range(k) for p in tree.choice_paths]
-    return Tree.from_paths(paths)
 
 
 def load_drafts(models, k: int, source: str, pool_windows: int | None = None) -> list:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from methods.core.drafter import Draft, DraftContext
 from methods.core.engine import ForwardOut, ModelEngine
-from methods.core.loop import DecodeOptions, decode
+from methods.core.loop import DecodeOptions, decode, verify_step
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.core.timing import forward_round, forward_times, interleaved, star_inputs, verify_times
@@ -39,10 +39,13 @@ from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
+    QLEVEL,
     SHARED,
     T_AR,
     TIMING_ATTEMPTS,
+    VCHAIN,
     VERIFY,
+    VSTEP,
     CostTable,
     cost_table,
     scatter_reason,
@@ -67,6 +70,7 @@ from specsim.adaptive_exit import ConfidenceTable
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.cost import CostModel
 from specsim.io import atomic_write_json
+from specsim.multidraft import Replay, member_ranks
 from specsim.tree import Tree
 from specsim.trees import build_tree
 
@@ -416,11 +420,16 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps}
 
     shared = {"on": True}
+    checks = _verify_inputs(run, sizes)
+    levels_in = _draft_level_inputs(run, sizes)
 
     def forwards() -> dict:
         run.target.reset()
         run.target.prefill(context)
         out = forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
+        out.update(_verify_round(run, checks))
+        if levels_in is not None:
+            out.update(_draft_level_round(run, context, *levels_in))
         if shared["on"]:
             seconds = shared_verify_time(run, context)
             shared["on"] = seconds is not None
@@ -428,6 +437,94 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         return out
 
     return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
+
+
+LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
+LEVEL_CHILDREN = 4  # children drawn per fed node when a level is timed
+
+
+def _draft_modes(run: _Run) -> tuple[str, int] | None:
+    """(sampling mode, draft models) of a drafter that fills trees level by level with a draft model (the
+    vanilla/Sequoia drafter, SpecInfer's members), else None."""
+    members = getattr(run.drafter, "members", None) or [run.drafter]
+    mode = getattr(members[0], "mode", None)
+    if run.draft is None or mode is None or run.cfg.method.draft_steps != "depth":
+        return None
+    return mode, len(members)
+
+
+def _draft_level_inputs(run: _Run, sizes: list[int]) -> tuple[dict, dict, str] | None:
+    """Star trees of w nodes for the draft model (one level fed w nodes), w in LEVEL_WIDTHS up to the largest
+    size, and the drafter's sampling mode; None for drafters without a draft model filled per level."""
+    modes = _draft_modes(run)
+    if modes is None:
+        return None
+    widths = [w for w in LEVEL_WIDTHS if w <= max(sizes)]
+    trees, tokens = star_inputs(run.draft, widths, run.cfg.seed)
+    return trees, tokens, modes[0]
+
+
+def _draft_level_round(run: _Run, context: torch.Tensor, trees: dict, tokens: dict, mode: str) -> dict:
+    """Seconds of one draft level fed w nodes: the draft model's forward of w nodes after ``context``
+    (median of FORWARD_REPEAT) plus the choice of LEVEL_CHILDREN children from each of the w rows in the
+    drafter's mode (top-k, draws with or without replacement). Keyed (QLEVEL, w)."""
+    run.draft.reset()
+    run.draft.prefill(context[: min(context.numel(), context_length(run.models.draft) - 64)])
+    fwd = forward_round(run.draft, trees, tokens, repeat=FORWARD_REPEAT)
+    run.draft.reset()
+    out = {}
+    for w in trees:
+        logits = torch.randn(w, int(run.draft.model.config.get_text_config().vocab_size))
+        times = []
+        for _ in range(FORWARD_REPEAT):
+            t0 = time.perf_counter()
+            if mode == "topk":
+                logits.topk(LEVEL_CHILDREN, dim=-1)
+            elif mode == "with_replacement":
+                torch.multinomial(probs(logits, run.sampling), LEVEL_CHILDREN, replacement=True,
+                                  generator=run.generator)
+            else:
+                draw_without_replacement(probs(logits, run.sampling), LEVEL_CHILDREN, run.generator)
+            times.append(time.perf_counter() - t0)
+        out[(QLEVEL, w)] = fwd[w] + float(np.median(times))
+    return out
+
+
+def _verify_inputs(run: _Run, sizes: list[int]) -> dict[tuple[str, int], tuple[Draft, torch.Tensor]]:
+    """Drafts with random tokens, draft laws and target logits for the method's verifier: (VSTEP, n) a
+    binary tree of n nodes, (VCHAIN, n) a chain of n nodes (Leviathan's chain verifier: chains only), n > 1
+    in ``sizes``; (VSTEP, 0) the loop's own tree."""
+    gen = torch.Generator().manual_seed(run.cfg.seed)
+    vocab = int(run.target.model.config.get_text_config().vocab_size)
+    dev, chain_only = run.target.device, Verifier(run.cfg.method.verifier) == Verifier.chain
+    shapes = {(VSTEP, 0): run.tree}
+    for n in (n for n in sizes if n > 1):
+        shapes[(VCHAIN, n)] = Tree.chain(n - 1)
+        if not chain_only:
+            shapes[(VSTEP, n)] = Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
+    out = {}
+    for key, tree in shapes.items():
+        toks = torch.randperm(vocab, generator=gen)[: tree.size]  # distinct: sampled without replacement
+        q = torch.randn(tree.size, vocab, generator=gen).softmax(-1)
+        logits = torch.randn(tree.size, vocab, generator=gen)
+        out[key] = (Draft(tree, toks.to(dev), q.to(dev)), logits.to(dev))
+    return out
+
+
+def _verify_round(run: _Run, checks: dict[tuple[str, int], tuple[Draft, torch.Tensor]]) -> dict:
+    """Seconds of the loop's verification of each ``checks`` draft from its logits (methods.core.loop's
+    verify_step: the target's law, the verifier's walk), median of FORWARD_REPEAT. The loop's overhead
+    beyond the verify forward grows with the tree (greedy: every node's argmax and the ancestor test);
+    the loop's own tree anchors it on the overhead the loop measured."""
+    opts, out = _spec_opts(run), {}
+    for key, (draft, logits) in checks.items():
+        times = []
+        for _ in range(FORWARD_REPEAT):
+            t0 = time.perf_counter()
+            verify_step(draft, logits, opts, run.generator)
+            times.append(time.perf_counter() - t0)
+        out[key] = float(np.median(times))
+    return out
 
 
 def _draft_counts(drafter) -> tuple[int, int] | None:
@@ -470,27 +567,70 @@ def shared_verify_time(run: _Run, context: torch.Tensor, clock: Callable[[], flo
 
 
 @torch.inference_mode()
-def exit_confidence(run: _Run, seqs: list[torch.Tensor]) -> dict[str, Any] | None:
-    """For a drafter with a draft-exit rule (Draft & Verify's ``rule``), at temperature 0: its confidence
-    (top-1 probability of q) and whether p's greedy token agrees, at every position the target generated
-    along its own trajectories — the table (specsim.adaptive_exit.ConfidenceTable) its exit is priced with.
-    Positional: a depth-d draft is taken to meet the confidences of depth 1 (see _self_draft_law)."""
-    law = LAWS.get(run.cfg.method.drafter)
-    if getattr(run.drafter, "rule", None) is None or law is None or not run.sampling.greedy:
+def multi_draft_replay(run: _Run, seqs: list[torch.Tensor]) -> dict[str, Any] | None:
+    """For a drafter merging K draft models (SpecInfer's ``members``): what each draft proposes at every
+    position of the target's own trajectories given the true prefix — the rank of the target's token in q_k
+    at temperature 0; the whole laws p and q_k otherwise (kept beside the profile in an .npz: a top-M cut of
+    a flat q misprices acceptance) — the replay its merged tree's τ is priced with (specsim.multidraft: the
+    correlation within a draft's branch kept)."""
+    members = getattr(run.drafter, "members", None)
+    if not members or run.cfg.method.drafter != "specinfer":
         return None
-    conf, agree = [], []
+    greedy, ranks, p_rows, q_rows = run.sampling.greedy, [], [], []
     for ids, seq in zip(run.prompts, seqs):
         roots = torch.arange(ids.numel() - 1, seq.numel() - 1)
-        q = law(run, seq, None, roots, 1).float().softmax(-1)  # (T, V)
-        top = q.max(-1)
-        conf += top.values.tolist()
-        agree += (top.indices == seq[roots + 1].to(top.indices.device)).tolist()
-    table = ConfidenceTable.from_samples(conf, agree)
-    return {"edges": list(table.edges), "mass": list(table.mass), "accept": list(table.accept),
-            "positions": len(conf), "alpha": table.alpha}
+        logits = [_forward_all(m.engine, seq).logits[roots].float() for m in members]  # K × (T, V)
+        if greedy:
+            nxt = seq[roots + 1].numpy()
+            width = run.cfg.calibration.width
+            ranks.append(member_ranks(nxt, [x.cpu().numpy() for x in logits], width))
+            continue
+        p_rows.append(probs(_forward_all(run.target, seq).logits[roots].float(), run.sampling).cpu().numpy())
+        q_rows.append(torch.stack([probs(x, run.sampling) for x in logits], 1).cpu().numpy())  # (T, K, V)
+    replay = Replay(ranks=tuple(ranks), p_rows=tuple(p_rows), q_rows=tuple(q_rows))
+    rows = None if greedy else profile_path(run.cfg).with_suffix(".replay.npz")
+    if rows is not None:
+        rows.parent.mkdir(parents=True, exist_ok=True)
+    return {"members": len(members), **replay.to_json(None if rows is None else str(rows))}
 
 
 @torch.inference_mode()
+def exit_confidence(run: _Run, seqs: list[torch.Tensor]) -> dict[str, Any] | None:
+    """For a drafter with a draft-exit rule (Draft & Verify's ``rule``): its confidence in the token it drafts
+    and whether p accepts it, at every position the target generated along its own trajectories — the table
+    (specsim.adaptive_exit.ConfidenceTable) its exit is priced with. Temperature 0: q's top-1 probability
+    and whether p's greedy token agrees. Sampled drafts (the drafter's ``sample``): the exact law of a drawn
+    token x ~ q, c = q(x) and acceptance min(1, p(x)/q(x)), the laws processed at the run's temperature.
+    Positional: a depth-d draft is taken to meet the confidences of depth 1 (see _self_draft_law)."""
+    law = LAWS.get(run.cfg.method.drafter)
+    if getattr(run.drafter, "rule", None) is None or law is None:
+        return None
+    sampled = bool(getattr(run.drafter, "sample", False))
+    if not run.sampling.greedy and not sampled:  # deterministic drafts verified at T > 0: not modelled
+        return None
+    conf, agree, weight, positions = [], [], [], 0
+    for ids, seq in zip(run.prompts, seqs):
+        roots = torch.arange(ids.numel() - 1, seq.numel() - 1)
+        positions += roots.numel()
+        logits = law(run, seq, None, roots, 1).float()
+        if not sampled:
+            top = logits.softmax(-1).max(-1)  # (T,)
+            conf += top.values.tolist()
+            agree += (top.indices == seq[roots + 1].to(top.indices.device)).tolist()
+            continue
+        q = probs(logits, run.sampling)  # (T, V), as the drafter draws
+        p = probs(_forward_all(run.target, seq).logits[roots].float(), run.sampling).to(q.device)
+        keep = q > 1e-7  # tokens q draws (the rest weigh nothing)
+        conf.append(q[keep].cpu().numpy())
+        agree.append((p[keep] / q[keep]).clamp(max=1.0).cpu().numpy())
+        weight.append(q[keep].cpu().numpy())
+    if sampled:
+        conf, agree, weight = np.concatenate(conf), np.concatenate(agree), np.concatenate(weight)
+    table = ConfidenceTable.from_samples(conf, agree, weights=weight if sampled else None)
+    return {"edges": list(table.edges), "mass": list(table.mass), "accept": list(table.accept),
+            "positions": positions, "alpha": table.alpha, "sampled": sampled}
+
+
 def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
     cal, w = cfg.calibration, cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
@@ -517,6 +657,7 @@ class _Measured:
     forward_tokens: int  # mean tokens of the loop's verify forward (loop_forward_tokens)
     exit_table: dict[str, Any] | None = None  # exit_confidence's table (drafters with a draft-exit rule)
     prompt_hists: list[list[int]] = field(default_factory=list)  # per prompt: steps accepting k drafts
+    replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -543,6 +684,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     loop = cfg.method.drafter in LOOP_DRAFTERS
     ranks = [] if loop else _star_ranks(run, seqs)
     exit_table = exit_confidence(run, seqs)
+    replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
     stats, prompt_hists = _depth_run(run, n_prompts, new_tokens)
@@ -554,7 +696,8 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
-    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists)
+    return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
+                          replay)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -571,11 +714,19 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_verify_forward_tokens": m.forward_tokens,
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
+        # the loop's verification from the logits, per draft size / t(1) ("0": the loop's own tree): the
+        # verification overhead of a tree of n nodes is the loop's measured one + v(n) − v(0)
+        "verify_step_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VSTEP},
+        "verify_chain_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VCHAIN},
+        # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
+        "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
+        "draft_models": (_draft_modes(run) or ("", 0))[1],
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
         **_self_draft_extra(cfg, run, m),
+        **({"multi_draft": m.replay} if m.replay is not None else {}),
     }
 
 
@@ -715,14 +866,20 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return f"no t(n) for budgets {missing_budgets(profile, cfg)}"
     if profile.stale:
         return f"the cached profile is stale: {profile.stale}"
+    if "verify_step_ratios" not in profile.extra:
+        return "no per-size verification timing (a profile of an older calibration)"
     return missing_self_draft(profile, cfg)
 
 
 def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
     """Self-drafting's calibrated figures a profile measured before they were taken lacks ("" if none)."""
     drafter, extra = cfg.method.drafter, profile.extra
-    if drafter == "draft_verify" and cfg.workload.temperature == 0 and "exit_confidence" not in extra:
-        return "no draft-exit confidence table"
+    sampled = Verifier(cfg.method.verifier) in (Verifier.chain, Verifier.specinfer)  # the drafter draws
+    if drafter == "draft_verify" and "exit_confidence" not in extra and (cfg.workload.temperature == 0
+                                                                          or sampled):
+        return "no draft-exit confidence table"  # greedy, or sampled drafts (the drafter's own rule)
     if drafter == "layerskip" and "shared_verify" not in extra:
         return "no timed shared-cache verify"
+    if drafter == "specinfer" and "multi_draft" not in extra:
+        return "no multi-draft replay"
     return ""

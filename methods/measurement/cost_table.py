@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from methods.core.timing import ratios, relative_iqr, series
 
@@ -27,6 +27,9 @@ TIMING_ATTEMPTS = 2  # a scattered timing is measured again once before the prof
 
 T_AR, DRAFT, VERIFY = "t_ar", "draft", "verify"  # a round's loop figures; its tree forwards are keyed by n
 SHARED = "shared"  # self-speculation's verify forward of the loop's chain resumed on the draft's shared KV
+# (VSTEP, n) / (VCHAIN, n): the loop's verification of an n-node tree / chain from its logits (0: its tree)
+VSTEP, VCHAIN = "vstep", "vchain"
+QLEVEL = "qlevel"  # (QLEVEL, w): one draft level fed w nodes (draft forward + choice of the children)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class CostTable:
     dispersion: dict[str, float]  # relative IQR of each series: "t1" (seconds), the others as ratios
     rounds: int
     shared_ratio: float = 0.0  # median of the rounds' shared-cache verify forward / t(1); 0 = not timed
+    # (shape, n) → median of the rounds' verification (logits → accepted path) of an n-node draft / t(1);
+    # (VSTEP, 0) = the loop's own tree. Not in ``dispersion``: ~0.1 ms figures, no verdict on the rounds
+    verify_step_ratios: dict[tuple[str, int], float] = field(default_factory=dict)
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -63,8 +69,11 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
+    steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
-                     med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0))
+                     med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
+                     steps)
 
 
 def scatter_reason(dispersion: Mapping[str, float], bound: float | None = None) -> str:

@@ -21,11 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
 from specsim.cost import CostModel, MeasuredCost
+from specsim.expected import tokens_per_forward
 from specsim.io import atomic_write_json, read_json
+from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree
@@ -272,15 +276,45 @@ def missing_budgets(profile: Profile, cfg: RunConfig) -> list[int]:
 
 
 # ---- the simulator's view -----------------------------------------------------------------------------
-def to_measured_cost(profile: Profile) -> MeasuredCost:
+def to_measured_cost(profile: Profile, chain: bool = False) -> MeasuredCost:
     """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``),
     priced as the decode loop pays it: t(1) — the simulator's t_AR — is the loop's own autoregressive step
     (``t_ar_s``: forward, next token, commit, bookkeeping, as the measured baseline); a tree of n > 1 nodes
     costs its verify forward plus the loop's measured verification overhead (``verify_overhead_s``). The
-    draft time goes into the config: see :func:`apply_profile`."""
-    table = {n: t + (profile.verify_overhead_s if n > 1 else 0.0) for n, t in profile.t_n.items()}
+    draft time goes into the config: see :func:`apply_profile`. The verification overhead grows with the
+    tree (:func:`verify_growth_s`; ``chain``: priced for chains, whose verification is cheaper)."""
+    table = {n: t + (profile.verify_overhead_s + verify_growth_s(profile, n, chain) if n > 1 else 0.0)
+             for n, t in profile.t_n.items()}
     if profile.t_ar_s > 0:
         table[1] = profile.t_ar_s  # the autoregressive step's own verification is in it already
+    return MeasuredCost.from_mapping(table)
+
+
+def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
+    """The loop's verification of an n-node tree (``chain``: an n-node chain) beyond that of the tree it was
+    measured on (the drafter's chain): v(n) − v(loop tree), timed per size in the calibration's rounds
+    (greedy verification tests every node's ancestors: a 64-node tree pays ~1 ms where a chain of 5 pays
+    0.08). 0 for profiles measured before it was timed, or sizes it was not timed at."""
+    steps = profile.extra.get("verify_step_ratios") or {}
+    if profile.verify_overhead_ratio <= 0:  # no loop overhead priced (vLLM's engine verifies on its own)
+        return 0.0
+    shaped = profile.extra.get("verify_chain_ratios") if chain else steps
+    if not shaped or str(n) not in shaped or "0" not in steps:
+        return 0.0
+    return (float(shaped[str(n)]) - float(steps["0"])) * profile.t_ar_s
+
+
+def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
+    """Seconds of one draft level by its width w (the nodes fed to the draft model), for drafters filling
+    trees level by level with draft models: the level the loop measured on the drafter's chain (w = 1) plus
+    the timed growth of the draft forward and the children's choice with w, once per draft model (SpecInfer:
+    every member runs each level). A chain-measured level priced every level of a wide tree (Sequoia-32 at
+    T = 1: 0.83 ms priced, 1.29 ms measured per level). None when the calibration did not time it."""
+    ratios = profile.extra.get("draft_level_ratios") or {}
+    if "1" not in ratios or cfg.method.draft_steps != "depth" or profile.draft_time_s <= 0:
+        return None
+    k, base = int(profile.extra.get("draft_models") or 1), float(ratios["1"])
+    table = {int(w): profile.draft_time_s + k * (float(r) - base) * profile.t_ar_s for w, r in ratios.items()}
     return MeasuredCost.from_mapping(table)
 
 
@@ -383,17 +417,42 @@ def _summary(p: Prediction) -> dict[str, Any]:
     return {k: getattr(p, k) for k in keys}
 
 
+def multi_draft_law(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[Tree, np.ndarray] | None:
+    """SpecInfer's merged tree of K drafts, calibrated: (the merged budget its step is priced at, the law of
+    τ from the replay of the calibration trajectories, specsim.multidraft). ``tree`` is the drafter's union
+    or the member tree. None for other drafters or without the replay."""
+    doc = profile.extra.get("multi_draft")
+    if not doc or cfg.method.drafter != "specinfer":
+        return None
+    member, union = member_and_union(tree, int(doc["members"]))
+    return union, accepted_law(Replay.from_json(doc), member, seed=cfg.seed)
+
+
+def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:
+    """``base`` (priced on the merged budget) with τ and its finite-run cut taken from ``law``."""
+    tau, step, ar = float(np.dot(np.arange(law.size), law)), base["t_step_s"], base["t_ar_s"]
+    per_forward = tokens_per_forward(law, n_tokens)
+    return {**base, "predicted_tau": tau, "predicted_speedup": tau * ar / step,
+            "tokens_per_forward": per_forward, "predicted_decode_speedup": per_forward * ar / step}
+
+
 def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
     """The simulator's predictions for a given tree under the measured acceptance: with this device's
     measured t(n) and draft time (the validation figure), and on the hardware preset's roofline."""
-    here_cfg, measured = apply_profile(cfg, profile), to_measured_cost(profile)
-    here = _summary(simulate(here_cfg, profile=measured, tree=tree))
+    multi = multi_draft_law(cfg, profile, tree)
+    if multi is not None:
+        tree = multi[0]
+    here_cfg, measured = apply_profile(cfg, profile), to_measured_cost(profile, chain=tree.width <= 1)
+    here = _summary(simulate(here_cfg, profile=measured, tree=tree, draft_levels=draft_levels(cfg, profile)))
     preset_cfg = measured_acceptance(cfg, profile)
     preset = _summary(simulate(preset_cfg, tree=tree))
     exits = exit_prediction(cfg, profile, tree)
     if exits is not None:  # the adaptive exit drafts fewer than the chain: its law replaces the chain's τ
         here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured))
         preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg))
+    if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
+        n = cfg.workload.max_new_tokens
+        here, preset = _law_summary(here, multi[1], n), _law_summary(preset, multi[1], n)
     return here, preset
 
 
@@ -403,7 +462,8 @@ def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, 
     Returns (tree, the simulator's prediction for it with this device's measured profile — the validation
     figure — and its prediction on the hardware preset's roofline). Decode with ``sequoia_config(cfg, …)``."""
     scfg = sequoia_config(cfg, profile)
-    sizing = (CostModel.from_config(apply_profile(scfg, profile), to_measured_cost(profile))
+    sizing = (CostModel.from_config(apply_profile(scfg, profile), to_measured_cost(profile),
+                                    draft_levels(scfg, profile))
               if cfg.hardware.measured else CostModel.from_config(scfg))
     tree = build_tree(scfg.tree, PositionalAcceptance(tuple(scfg.method.acceptance.vector)), sizing)
     return (tree, *tree_predictions(scfg, profile, tree))
@@ -416,7 +476,7 @@ def dynamic_tree_for(cfg: RunConfig, profile: Profile) -> Tree:
     and draft time. The real tree re-ranks per context, so it can beat this context-free tree."""
     mcfg = apply_profile(cfg, profile)
     return build_tree(mcfg.tree, from_config(mcfg.method.acceptance),
-                      CostModel.from_config(mcfg, to_measured_cost(profile)))
+                      CostModel.from_config(mcfg, to_measured_cost(profile), draft_levels(cfg, profile)))
 
 
 def profile_config(cfg: RunConfig) -> RunConfig:

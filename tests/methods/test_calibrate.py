@@ -29,6 +29,7 @@ from methods.measurement.calibrate import (
 from methods.measurement.profiles import (
     Profile,
     apply_profile,
+    draft_levels,
     load_profile,
     measured_acceptance,
     prediction_metrics,
@@ -137,6 +138,14 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
     assert prof.acceptance_by_depth and all(0 <= a <= 1 for a in prof.acceptance_by_depth)
+    # the verification per tree size and the draft level per width, timed in the same rounds
+    assert set(prof.extra["verify_step_ratios"]) == {"0", *(str(n) for n in prof.t_n if n > 1)}
+    assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
+    assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
+    levels = draft_levels(cfg, prof)
+    assert levels.time(1) == pytest.approx(prof.draft_time_s)
+    growth = prof.extra["draft_level_ratios"]["8"] - prof.extra["draft_level_ratios"]["1"]
+    assert levels.time(8) == pytest.approx(prof.draft_time_s + growth * prof.t_ar_s)
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
@@ -210,6 +219,34 @@ def test_measured_cost_prices_the_loop_step():
     for n in (2, 8, 128):
         assert cost.time(n) == pytest.approx(prof.t_n[n] + 2e-4)
     assert to_measured_cost(_profile()).time(8) == pytest.approx(prof.t_n[8])
+
+
+def test_verification_overhead_grows_with_the_tree():
+    """The loop's verification beyond the forward, measured on the drafter's chain, is priced per tree size:
+    + v(n) − v(loop tree), timed per size for trees and chains (specinfer/greedy walks cost more on trees)."""
+    t1 = 1.1e-3
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=2e-4 / t1)
+    prof.extra.update(verify_step_ratios={"0": 0.05, "8": 0.1, "64": 0.3},
+                      verify_chain_ratios={"8": 0.06, "64": 0.2})
+    wide, chain = to_measured_cost(prof), to_measured_cost(prof, chain=True)
+    assert wide.time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.3 - 0.05) * t1)
+    assert chain.time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.2 - 0.05) * t1)
+    assert wide.time(8) == pytest.approx(prof.t_n[8] + 2e-4 + (0.1 - 0.05) * t1)
+    assert wide.time(16) == pytest.approx(prof.t_n[16] + 2e-4)  # a size it was not timed at: no growth
+    assert wide.time(1) == pytest.approx(t1)
+    no_loop = dataclasses.replace(prof, verify_overhead_ratio=0.0)  # vLLM: the loop's overhead not priced
+    assert to_measured_cost(no_loop).time(64) == pytest.approx(prof.t_n[64])
+
+
+def test_cost_rounds_time_the_verification_per_size():
+    from methods.measurement.cost_table import T_AR, VCHAIN, VSTEP, cost_table
+
+    rounds = [{T_AR: 1.0, 4: 1.2, (VSTEP, 0): 0.02, (VSTEP, 4): 0.05, (VCHAIN, 4): 0.03},
+              {T_AR: 2.0, 4: 2.4, (VSTEP, 0): 0.04, (VSTEP, 4): 0.12, (VCHAIN, 4): 0.06}]
+    table = cost_table(rounds)
+    assert table.verify_step_ratios == {(VSTEP, 0): pytest.approx(0.02), (VSTEP, 4): pytest.approx(0.055),
+                                        (VCHAIN, 4): pytest.approx(0.03)}
+    assert not any("vstep" in k or "vchain" in k for k in table.dispersion)  # no verdict on the rounds
 
 
 def test_a_profile_keeps_ratios_of_t1_and_re_anchors_them(run_config):
@@ -440,3 +477,45 @@ def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
         stats.record(Tree.chain(3), tuple(range(k + 1)))
     ranks = _loop_ranks(stats, 3)
     assert [r.count(0) / len(r) for r in ranks[:2]] == [3 / 4, 1 / 3] and ranks[2] == [None]
+
+
+# ---- sampled drafts and several drafts ---------------------------------------------------------------------
+SMALL_SELF = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=2",
+              "calibration.new_tokens=6", "calibration.depth_prompts=1", "calibration.reps=2",
+              "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+
+
+@pytest.mark.slow
+def test_draft_verify_sampled_exit_is_calibrated_at_the_runs_temperature(run_config, tiny_models, cache):
+    """At temperature 1 the drafter draws x ~ q and exits when q(x) < γ_th: the confidence table is the
+    law of q(x) with the rejection rule's acceptance min(1, p/q) (before: T = 0 only, a full chain priced)."""
+    from methods.measurement.profiles import exit_prediction
+
+    cfg = run_config(*SMALL_SELF, "method=draft_verify", "method.params.skip=config",
+                     "method.params.skip_mlp=[0]", "method.params.gamma=4", "tree=chain", "tree.gamma=4",
+                     "workload.temperature=1", "method.verifier=chain")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    table = prof.extra["exit_confidence"]
+    assert table["sampled"] and table["positions"] == 2 * 6 and sum(table["mass"]) == pytest.approx(1.0)
+    assert 0 < table["alpha"] < 1
+    run = exit_prediction(cfg, prof, Tree.chain(4))
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert here["predicted_tau"] == pytest.approx(run.tau) and 1 <= run.tau <= 1 + run.draft_length
+
+
+@pytest.mark.slow
+def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
+    """SpecInfer's calibration keeps each draft's proposals along the trajectories, and its prediction prices
+    the merged tree's τ from them (specsim.multidraft), on the union budget of its members."""
+    from methods.drafters.specinfer import union_tree
+    from specsim.multidraft import Replay, expected_tokens
+
+    cfg = run_config(*SMALL_SELF, "method=specinfer", "method.params.source=copies", "tree=chain",
+                     "tree.gamma=3")
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    doc = prof.extra["multi_draft"]
+    assert doc["members"] == 3 and len(doc["ranks"]) == 2 and len(doc["ranks"][0][0]) == 3
+    here, preset = tree_predictions(cfg, prof, union_tree(Tree.chain(3), 3))
+    tau = expected_tokens(Replay.from_json(doc), Tree.chain(3))
+    assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
+    assert here["tree_size"] == 1 + 3 * 3  # priced on the merged budget

@@ -39,7 +39,7 @@ def test_layerskip_profile_times_the_shared_verify(run_config, tiny_models, cach
     assert priced.method.verify_reuse_ratio == 0  # the arithmetic E / L is replaced by the timed saving
     assert priced.method.verify_saving_ratio == pytest.approx(min(0.99, max(0.0, shared["saving_ratio"])))
     chain = Tree.chain(3)
-    cost = CostModel.from_config(priced, to_measured_cost(prof))
+    cost = CostModel.from_config(priced, to_measured_cost(prof, chain=True))  # a chain
     expected = max(0.0, float(cost.verify_time(4)) - priced.method.verify_saving_ratio * cost.ar_time)
     assert cost.tree_verify_time(chain) == pytest.approx(expected)
     here, _ = tree_predictions(cfg, prof, chain)
@@ -61,7 +61,7 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     assert 1 <= here["predicted_mean_draft_length"] <= 4
     assert 1 <= here["predicted_draft_forwards_per_step"] <= 4
     assert here["predicted_tau"] <= 1 + here["predicted_mean_draft_length"]
-    cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof))
+    cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof, chain=True))  # chains
     assert here["predicted_speedup"] == pytest.approx(run.tau * cost.ar_time / run.step_time(cost))
 
 

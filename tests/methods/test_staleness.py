@@ -106,7 +106,8 @@ def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profi
     prof = Profile((0.0, 0.7, 0.1, 0.1, 0.1), (0.7, 0.6, 0.5), t1, ratios, 0.2, "random_tiny", "draft_model",
                    "code", "cpu:test", "float32", 3, 50, created,
                    key=calibrate_module.profile_key(cfg), verify_overhead_ratio=0.1,
-                   timing_dispersion={"t1": 0.02})
+                   timing_dispersion={"t1": 0.02},
+                   extra={"verify_step_ratios": {"0": 0.02, "8": 0.05}})  # as a current calibration has
     save_profile(prof, profile_path(cfg))
     return prof
 

@@ -107,3 +107,22 @@ def test_confidence_table_rejects_bad_input():
         ConfidenceTable((0.0, 0.5, 1.0), (0.5, 0.4), (0.5, 0.5))
     with pytest.raises(AssertionError, match="as many"):
         ConfidenceTable.from_samples([0.5, 0.6], [True])
+
+
+def test_weighted_table_is_the_law_of_a_sampled_draft():
+    """Sampled drafts (temperature > 0): the table built from every token x of q with weight q(x), c = q(x)
+    and acceptance min(1, p(x)/q(x)) is the law that drawing x ~ q and tossing the rejection coin gives."""
+    rng = np.random.default_rng(3)
+    V, T = 6, 40
+    p, q = rng.dirichlet(np.full(V, 0.7), T), rng.dirichlet(np.full(V, 0.7), T)
+    exact = ConfidenceTable.from_samples(q.ravel(), np.minimum(1, p / q).ravel(), bins=10,
+                                         weights=(q / T).ravel())
+    pos = rng.integers(0, T, 200_000)
+    x = (rng.random(pos.size)[:, None] > q[pos].cumsum(1)).sum(1)
+    c = q[pos, x]
+    mc = ConfidenceTable.from_samples(c, rng.random(pos.size) < np.minimum(1, p[pos, x] / c), bins=10)
+    np.testing.assert_allclose(exact.mass, mc.mass, atol=0.005)
+    assert abs(exact.alpha - mc.alpha) < 0.005
+    assert abs(exact.alpha - np.minimum(p, q).sum(1).mean()) < 1e-9  # α = E Σ_x min(p, q)
+    for s in (0.3, 0.5):
+        np.testing.assert_allclose(exact.above(s), mc.above(s), atol=0.01)

@@ -142,3 +142,18 @@ def test_lookahead_verify_forward_carries_the_extra_tokens():
     assert cost.verify_tokens(Tree.chain(4)) == 56 and cost.verify_tokens(Tree.chain(0)) == 1
     assert cost.step_time(Tree.chain(4)) == pytest.approx(56.0)
     assert cost.speedup(Tree.chain(4), 2.0) == pytest.approx(2.0 / 56.0)
+
+
+def test_a_measured_draft_level_is_priced_by_the_nodes_it_feeds():
+    """With a per-width table, each level costs t_q(w) for w = the nodes of the level above that have
+    children (the draft model is fed those only); a chain pays t_q(1) per level."""
+    from specsim.cost import DraftCost, MeasuredCost
+    from specsim.tree import Tree
+
+    levels = MeasuredCost.from_mapping({1: 1.0, 2: 1.5, 4: 2.5})
+    cost = DraftCost(ratio=0.3, model=levels, fed_width=True)
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # fed: 1, 2, 1 nodes
+    assert cost.widths(tree) == [1, 2, 1]
+    assert cost.time(tree, t1=1.0) == pytest.approx(1.0 + 1.5 + 1.0)
+    assert cost.time(Tree.chain(3), t1=1.0) == pytest.approx(3.0)
+    assert DraftCost(ratio=0.3).widths(tree) == [1, 3, 3]  # every node of the level (the roofline's count)
