@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 METHODS = {  # row name → run.py overrides
     "medusa1": ["method=medusa"],
-    "medusa2": ["method=medusa", "method.params.joint=true"],
+    "medusa2": ["method=medusa", "+method.params.joint=true"],
     "mtp": ["method=mtp"],
     "layerskip": ["method=layerskip"],
     "layerskip_plain": ["method=layerskip", "method.params.variant=none"],

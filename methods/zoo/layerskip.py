@@ -245,12 +245,12 @@ def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
 
 
 def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8,
-                draft_cost: dict[int, float] | None = None) -> list[dict]:
+                draft_cost: dict[int, float] | None = None, gamma: int = 0) -> list[dict]:
     """Rank exit layers E = 1..L-1 by predicted speedup on this device: α_E = the exit's greedy agreement
     with the last layer (held out, position by position), the draft step ρ_E·t(1) with ρ_E timed on this
     device (``draft_cost``: :func:`exit_costs`; E / L when not given), the verify t(γ+1) less the shared
     cache's layers [0, E) of the drafted nodes (ρ_v = E / L, specsim.cost), τ = (1 - α^{γ+1}) / (1 - α);
-    best γ per E."""
+    best γ per E, or ``gamma`` when > 0 (the configured draft length)."""
     import numpy as np
 
     n_layers = len(agreement)
@@ -260,8 +260,9 @@ def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 
     for e in range(1, n_layers):
         alpha, share = min(agreement[e - 1], 0.999), e / n_layers
         rho = draft_cost[e] if draft_cost else share
-        step = [g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in range(1, max_gamma + 1)]
-        best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in enumerate(step, 1))
+        gammas = [gamma] if gamma > 0 else range(1, max_gamma + 1)
+        step = {g: g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in gammas}
+        best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in step.items())
         rows.append({"exit_layer": e, "alpha": agreement[e - 1], "rho": rho, "speedup": best[0],
                      "gamma": best[1]})
     return sorted(rows, key=lambda r: -r["speedup"])
@@ -269,9 +270,19 @@ def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 
 
 @torch.inference_mode()
 def exit_costs(model: PreTrainedModel, context: torch.Tensor, reps: int = 15) -> dict[int, float]:
-    """ρ_E for E = 1..L-1, timed on this device: the early-exit draft step (layers [0, E), the final norm and
-    the LM head over one token after ``context``, as the drafter runs it) over the full single-token step,
-    medians of ``reps`` interleaved rounds. The per-forward overhead that E / L leaves out is in it."""
+    """ρ_E for E = 1..L-1, timed on this device (:func:`exit_timings`)."""
+    return exit_timings(model, context, reps)[0]
+
+
+@torch.inference_mode()
+def exit_timings(model: PreTrainedModel, context: torch.Tensor, reps: int = 15, verify_tokens: int = 0,
+                 clock=time.perf_counter) -> tuple[dict[int, float], float]:
+    """(ρ_E for E = 1..L-1, t(n)/t(1) for n = ``verify_tokens``; 1.0 when 0), timed on this device: the
+    early-exit draft step (layers [0, E), the final norm and the LM head over one token after ``context``, as
+    the drafter runs it) and a full chain forward of n tokens, each over the full single-token step; medians
+    of ``reps`` interleaved rounds after a warm one. The per-forward overhead that E / L leaves out is in it.
+    ``clock``: time.thread_time with one torch thread measures the CPU work alone (a loaded machine's
+    preemptions drop out of the ratios)."""
     import statistics
 
     from methods.core.engine import ModelEngine
@@ -280,19 +291,22 @@ def exit_costs(model: PreTrainedModel, context: torch.Tensor, reps: int = 15) ->
     engine = ModelEngine(model)
     engine.prefill(context[:-1])
     n_layers = model.config.num_hidden_layers
-    subs = {e: SubLayers(stop=e) for e in range(1, n_layers)} | {n_layers: None}
-    ratios: dict[int, list[float]] = {e: [] for e in range(1, n_layers)}
+    steps: dict = {e: (SubLayers(stop=e), 1) for e in range(1, n_layers)} | {n_layers: (None, 1)}
+    if verify_tokens > 1:
+        steps["verify"] = (None, verify_tokens)
+    ratios: dict = {k: [] for k in steps if k != n_layers}
     for r in range(reps + 1):
         times = {}
-        for e, sub in subs.items():
-            t0 = time.perf_counter()
-            engine.extend(context[-1:], [-1], last_only=True, sub=sub)
-            times[e] = time.perf_counter() - t0
+        for k, (sub, n) in steps.items():
+            t0 = clock()
+            engine.extend(context[-n:], list(range(-1, n - 1)), last_only=n == 1, sub=sub)
+            times[k] = clock() - t0
             engine.drop_pending()
         if r:  # the first round warms up
-            for e in ratios:
-                ratios[e].append(times[e] / times[n_layers])
-    return {e: statistics.median(v) for e, v in ratios.items()}
+            for k in ratios:
+                ratios[k].append(times[k] / max(times[n_layers], 1e-9))
+    verify = statistics.median(ratios.pop("verify")) if "verify" in ratios else 1.0
+    return {e: statistics.median(v) for e, v in ratios.items()}, verify
 
 
 def heldout_context(tokenizer, tokens: int = 256) -> torch.Tensor:
