@@ -184,7 +184,7 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
     drop = drop_rates(n_layers, recipe.p_max)
     losses = []
     model.train()
-    data_s, train_start = time.perf_counter() - start, time.perf_counter()
+    data_s, train_start, cpu_start = time.perf_counter() - start, time.perf_counter(), time.thread_time()
     with ThreadGovernor().active() as governor:
         for step in range(recipe.steps):
             governor.update(step)
@@ -204,12 +204,14 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
             losses.append(ces[-1].item())
     model.eval()
     seconds, step_s = time.perf_counter() - start, (time.perf_counter() - train_start) / recipe.steps
+    cpu_step_s = (time.thread_time() - cpu_start) / recipe.steps  # this thread's CPU: load-proof
     model.to(target.dtype).save_pretrained(str(out / "model"))
     tail = losses[-max(1, recipe.steps // 10) :]
     report = {"recipe": dataclasses.asdict(recipe), "train_seconds": seconds, "drop_rates": drop,
               "final_train_loss": sum(tail) / len(tail), "params_trained": sum(p.numel() for p in
                                                                                 model.parameters()),
-              "loadavg_1min": os.getloadavg()[0], "data_seconds": data_s, "seconds_per_step": step_s}
+              "loadavg_1min": os.getloadavg()[0], "data_seconds": data_s, "seconds_per_step": step_s,
+              "cpu_seconds_per_step": cpu_step_s, "threads": torch.get_num_threads()}
     report["heldout"] = exit_report(target, model, tokenizer, recipe.eval_tokens)
     return report
 
@@ -245,12 +247,14 @@ def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
 
 
 def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8,
-                draft_cost: dict[int, float] | None = None, gamma: int = 0) -> list[dict]:
+                draft_cost: dict[int, float] | None = None, gamma: int = 0,
+                tau: dict[int, float] | None = None) -> list[dict]:
     """Rank exit layers E = 1..L-1 by predicted speedup on this device: α_E = the exit's greedy agreement
     with the last layer (held out, position by position), the draft step ρ_E·t(1) with ρ_E timed on this
     device (``draft_cost``: :func:`exit_costs`; E / L when not given), the verify t(γ+1) less the shared
     cache's layers [0, E) of the drafted nodes (ρ_v = E / L, specsim.cost), τ = (1 - α^{γ+1}) / (1 - α);
-    best γ per E, or ``gamma`` when > 0 (the configured draft length)."""
+    best γ per E, or ``gamma`` when > 0 (the configured draft length; ``tau``: τ_E measured at that γ replaces
+    the iid formula, whose independent positions miss that agreement comes in runs)."""
     import numpy as np
 
     n_layers = len(agreement)
@@ -262,9 +266,10 @@ def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 
         rho = draft_cost[e] if draft_cost else share
         gammas = [gamma] if gamma > 0 else range(1, max_gamma + 1)
         step = {g: g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in gammas}
-        best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in step.items())
+        taus = {g: tau[e] if tau and gamma > 0 else (1 - alpha ** (g + 1)) / (1 - alpha) for g in gammas}
+        best = max((taus[g] * t(1) / s, g) for g, s in step.items())
         rows.append({"exit_layer": e, "alpha": agreement[e - 1], "rho": rho, "speedup": best[0],
-                     "gamma": best[1]})
+                     "gamma": best[1], "tau": taus[best[1]]})
     return sorted(rows, key=lambda r: -r["speedup"])
 
 

@@ -147,14 +147,19 @@ def test_auto_exit_layer_is_chosen_by_calibration_and_cached(tiny_target, tmp_pa
 
     monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path))
     models = Models(tiny_target, None, byte_tokenizer(320), torch.device("cpu"), torch.float32)
-    small = exit_choice.ExitChoiceConfig(prompts=2, prompt_tokens=24, reps=2)
+    # τ of a greedy chain from runs of agreement: positions 0..3 of [T, T, F, T, T, T] start runs 2, 1, 0, 3
+    agree = [torch.tensor([True, True, False, True, True, True])]
+    assert exit_choice.chain_tau(agree, 3) == pytest.approx(1 + (2 + 1 + 0 + 3) / 4)
+    small = exit_choice.ExitChoiceConfig(prompts=2, prompt_tokens=24, new_tokens=12, reps=2)
     table = exit_choice.exit_table(tiny_target, models.tokenizer, 3, small)
     n_layers = tiny_target.config.num_hidden_layers
     assert sorted(r["exit_layer"] for r in table["ranked"]) == list(range(1, n_layers))
-    assert all(0 <= r["alpha"] <= 1 and r["rho"] > 0 and r["gamma"] == 3 for r in table["ranked"])
+    assert all(0 <= r["alpha"] <= 1 and r["rho"] > 0 and r["gamma"] == 3 and 1 <= r["tau"] <= 4
+               for r in table["ranked"])
     again = choose_exit([r["alpha"] for r in sorted(table["ranked"], key=lambda r: r["exit_layer"])] + [1.0],
                         {1: 1.0, 4: table["verify_over_t1"]},
-                        draft_cost={r["exit_layer"]: r["rho"] for r in table["ranked"]}, gamma=3)
+                        draft_cost={r["exit_layer"]: r["rho"] for r in table["ranked"]}, gamma=3,
+                        tau={r["exit_layer"]: r["tau"] for r in table["ranked"]})
     assert table["chosen"] == again[0]["exit_layer"] == max(table["ranked"], key=lambda r: r["speedup"])[
         "exit_layer"]
     monkeypatch.setattr(exit_choice, "DEFAULT", small)
