@@ -36,8 +36,10 @@ VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cac
 
 @dataclass(frozen=True)
 class LayerSkipRecipe:
-    """Continued-training recipe. 400 steps of 4 x 256 tokens took 3324 s at load ~24 (8.3 s/step; 0.58
-    s/step quiet with 1 thread: ~4 min of training, within the zoo's ~9 min quiet build); held-out code:
+    """Continued-training recipe. Budget: the zoo's time for one model — its target trained in 520 s of the
+    zoo's 635 s quiet build (zoo report ``build_seconds``). 400 steps of 4 x 256 tokens x 0.64 s of thread CPU
+    per step (1 thread; 40 steps of the curriculum timed at load ~20, ``cpu_seconds_per_step`` in the
+    report) = 256 s, half of it (3324 s wall at load ~24, 8.3 s/step; 0.58 s/step quiet); held-out code:
     final-layer ppl 82.8 -> 82.6, exit after layer 2 (E=2) ppl 720 -> 154, greedy agreement with the last
     layer 0.25 -> 0.43. Only the exits the curriculum weights are computed (one LM head + cross-entropy over
     4096 tokens costs about a layer; exit 0 is never weighted): same loss, cheaper steps. Tried: 240 steps
