@@ -199,6 +199,10 @@ class RunPrediction:
         return float(np.mean([law.forwards * step + sum(p * verify[k] for k, p in enumerate(law.drafted))
                               for law in self.laws]))
 
+    def draft_time(self, cost: CostModel) -> float:
+        """Mean seconds of drafting per step: the draft forwards the exit rule lets run, at the draft step."""
+        return float(np.mean([law.forwards for law in self.laws])) * cost.draft.per_depth(cost.ar_time)[0]
+
     def speedup(self, cost: CostModel) -> float:
         """S = τ · t_AR / t_step over the run (its tokens over its time)."""
         return self.tau * cost.ar_time / self.step_time(cost)

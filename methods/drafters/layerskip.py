@@ -34,7 +34,8 @@ _SAMPLED = {Verifier.chain, Verifier.specinfer}
 class LayerSkipParams:
     """``method.params`` of the layerskip drafter."""
 
-    exit_layer: int = 2  # E: the draft is layers [0, E)
+    exit_layer: int | str = "auto"  # E: the draft is layers [0, E); "auto": chosen on this device
+    # (methods.drafters.exit_choice: the best predicted speedup from the calibrated α_E, ρ_E and t(γ+1))
     gamma: int = 0  # draft length; 0 = the configured chain's
     variant: str = "none"  # "none": the target as it is; "train": its LayerSkip-trained variant (cached)
     train: dict = field(default_factory=dict)  # LayerSkipRecipe fields (steps, p_max, e_scale, ...)
@@ -55,6 +56,7 @@ class LayerSkipDrafter:
         self.engine: ModelEngine | None = None
         self._chains: dict[int, Tree] = {}
         self.decoded_model = ""  # set when the target was replaced by the LayerSkip variant
+        self.exit_choice: dict | None = None  # the calibrated exit table when exit_layer was "auto"
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -65,17 +67,39 @@ class LayerSkipDrafter:
             raise ValueError(f"layerskip drafts chains, got {tree}")
         gamma = lp.gamma or (tree.depth if tree is not None else 4)
         n_layers = models.target.config.num_hidden_layers
-        if not 1 <= lp.exit_layer < n_layers:
-            raise ValueError(f"layerskip: exit_layer {lp.exit_layer} must be in 1..{n_layers - 1}")
+        auto = lp.exit_layer == "auto"
+        if not auto and (isinstance(lp.exit_layer, str) or not 1 <= lp.exit_layer < n_layers):
+            raise ValueError(f"layerskip: exit_layer {lp.exit_layer!r} must be auto or in 1..{n_layers - 1}")
+        if n_layers < 2:
+            raise ValueError(f"layerskip: a {n_layers}-layer target has no early exit")
         if lp.variant == "train":
             load_variant_into(models, lp.train)
         elif lp.variant != "none":
             raise ValueError(f"layerskip: variant {lp.variant!r}: allowed none, train")
-        out = cls(lp.exit_layer, gamma, sampling, sample=not sampling.greedy and verifier in _SAMPLED)
+        choice = None
+        if auto:  # on the decoded model (the variant, once loaded)
+            from methods.drafters.exit_choice import ensure_exit_choice
+
+            choice = ensure_exit_choice(models.target, models.tokenizer, gamma)
+        exit_layer = choice["chosen"] if choice else lp.exit_layer
+        out = cls(exit_layer, gamma, sampling, sample=not sampling.greedy and verifier in _SAMPLED)
+        out.exit_choice = choice
         if lp.variant == "train":  # metrics.json says what was decoded, and against which baseline
             out.decoded_model = ("the LayerSkip variant of the target (continued training, methods.zoo."
                                  "layerskip): tau and speedup are against the variant's own autoregressive "
                                  "decoding, not the zoo target's")
+        return out
+
+    def run_stats(self) -> dict:
+        """metrics.json: the exit layer decoded with, and how it was chosen (auto: the calibrated table)."""
+        out: dict = {"exit_layer": self.exit_layer,
+                     "exit_layer_source": "config" if self.exit_choice is None else "auto (calibrated)"}
+        if self.exit_choice is not None:
+            ranked = sorted(self.exit_choice["ranked"], key=lambda r: r["exit_layer"])
+            out.update(exit_alpha_by_layer=[r["alpha"] for r in ranked],
+                       exit_rho_by_layer=[r["rho"] for r in ranked],
+                       exit_predicted_speedup_by_layer=[r["speedup"] for r in ranked],
+                       exit_choice_clock=self.exit_choice["clock"])
         return out
 
     # ---- protocol -----------------------------------------------------------------------------------

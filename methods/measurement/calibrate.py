@@ -431,9 +431,10 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         if levels_in is not None:
             out.update(_draft_level_round(run, context, *levels_in))
         if shared["on"]:
-            seconds = shared_verify_time(run, context)
-            shared["on"] = seconds is not None
-            out.update({SHARED: seconds} if seconds is not None else {})
+            ratio = shared_verify_ratio(run, context)
+            shared["on"] = ratio is not None and run.tree.size in out
+            # the round's full t(n) of the chain's size times the saving timed back to back on one thread
+            out.update({SHARED: ratio * out[run.tree.size]} if shared["on"] else {})
         return out
 
     return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
@@ -541,16 +542,21 @@ def _forwards_per_step(before: tuple[int, int] | None, after: tuple[int, int] | 
 
 
 @torch.inference_mode()
-def shared_verify_time(run: _Run, context: torch.Tensor, clock: Callable[[], float] = time.perf_counter
-                       ) -> float | None:
-    """Self-speculation's verify forward as the loop runs it (LayerSkip): the drafter drafts its chain after
-    ``context`` on the target's engine, and the verify resumes on the draft's shared KV (``Draft.resume``);
-    median of FORWARD_REPEAT, each after an untimed one. None for a drafter whose drafts resume nothing."""
+def shared_verify_ratio(run: _Run, context: torch.Tensor, clock: Callable[[], float] | None = None
+                        ) -> float | None:
+    """Self-speculation's verify forward as the loop runs it (LayerSkip) over the full verify forward of the
+    same chain: the drafter drafts its chain after ``context`` on the target's engine, the verify resumes on
+    the draft's shared KV (``Draft.resume``), then the same tokens are verified from scratch; median of
+    FORWARD_REPEAT ratios, after an untimed pair. Timed back to back with this thread's CPU time when torch
+    runs one thread (wall seconds read the resumed verify 0.6-0.7x the full one at load ~20 where thread
+    CPU read 0.98x: a shared machine's preemptions fall out of the ratio). None for a drafter whose drafts
+    resume nothing."""
     attach = getattr(run.drafter, "attach", None)
     if attach is None:
         return None
+    clock = clock or (time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
     attach(run.target)
-    times = []
+    ratios = []
     for i in range(FORWARD_REPEAT + 1):
         run.target.reset()
         run.target.prefill(context[:-1])
@@ -560,10 +566,14 @@ def shared_verify_time(run: _Run, context: torch.Tensor, clock: Callable[[], flo
             return None
         t0 = clock()
         run.target.forward_tree(draft.tokens, draft.tree, resume=draft.resume)
-        if i:  # the first is the untimed warm one
-            times.append(clock() - t0)
+        t1 = clock()
+        run.target.drop_pending()
+        run.target.forward_tree(draft.tokens, draft.tree)
+        t2 = clock()
+        if i:  # the first pair is the untimed warm one
+            ratios.append((t1 - t0) / max(t2 - t1, 1e-9))
     run.target.reset()
-    return float(np.median(times))
+    return float(np.median(ratios))
 
 
 @torch.inference_mode()

@@ -377,8 +377,10 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
 
 
 def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel) -> dict[str, Any]:
-    step = run.step_time(cost)
+    step, draft = run.step_time(cost), run.draft_time(cost)  # the breakdown of the exit law's step, not the
+    # full chain's (its t_draft_s read 8 draft forwards where the rule let 3.15 run)
     return {**base, "predicted_tau": run.tau, "predicted_speedup": run.speedup(cost), "t_step_s": step,
+            "t_draft_s": draft, "t_verify_s": step - draft,
             "predicted_draft_forwards_per_step": run.forwards,
             "predicted_mean_draft_length": run.draft_length,
             "predicted_exit_threshold_final": run.thresholds[-1]}

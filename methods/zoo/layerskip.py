@@ -36,8 +36,10 @@ VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cac
 
 @dataclass(frozen=True)
 class LayerSkipRecipe:
-    """Continued-training recipe. 400 steps of 4 x 256 tokens took 3324 s at load ~24 (8.3 s/step; 0.58
-    s/step quiet with 1 thread: ~4 min of training, within the zoo's ~9 min quiet build); held-out code:
+    """Continued-training recipe. Budget: the zoo's time for one model — its target trained in 520 s of the
+    zoo's 635 s quiet build (zoo report ``build_seconds``). 400 steps of 4 x 256 tokens x 0.64 s of thread CPU
+    per step (1 thread; 40 steps of the curriculum timed at load ~20, ``cpu_seconds_per_step`` in the
+    report) = 256 s, half of it (3324 s wall at load ~24, 8.3 s/step; 0.58 s/step quiet); held-out code:
     final-layer ppl 82.8 -> 82.6, exit after layer 2 (E=2) ppl 720 -> 154, greedy agreement with the last
     layer 0.25 -> 0.43. Only the exits the curriculum weights are computed (one LM head + cross-entropy over
     4096 tokens costs about a layer; exit 0 is never weighted): same loss, cheaper steps. Tried: 240 steps
@@ -184,7 +186,7 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
     drop = drop_rates(n_layers, recipe.p_max)
     losses = []
     model.train()
-    data_s, train_start = time.perf_counter() - start, time.perf_counter()
+    data_s, train_start, cpu_start = time.perf_counter() - start, time.perf_counter(), time.thread_time()
     with ThreadGovernor().active() as governor:
         for step in range(recipe.steps):
             governor.update(step)
@@ -204,12 +206,14 @@ def build_variant(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe, o
             losses.append(ces[-1].item())
     model.eval()
     seconds, step_s = time.perf_counter() - start, (time.perf_counter() - train_start) / recipe.steps
+    cpu_step_s = (time.thread_time() - cpu_start) / recipe.steps  # this thread's CPU: load-proof
     model.to(target.dtype).save_pretrained(str(out / "model"))
     tail = losses[-max(1, recipe.steps // 10) :]
     report = {"recipe": dataclasses.asdict(recipe), "train_seconds": seconds, "drop_rates": drop,
               "final_train_loss": sum(tail) / len(tail), "params_trained": sum(p.numel() for p in
                                                                                 model.parameters()),
-              "loadavg_1min": os.getloadavg()[0], "data_seconds": data_s, "seconds_per_step": step_s}
+              "loadavg_1min": os.getloadavg()[0], "data_seconds": data_s, "seconds_per_step": step_s,
+              "cpu_seconds_per_step": cpu_step_s, "threads": torch.get_num_threads()}
     report["heldout"] = exit_report(target, model, tokenizer, recipe.eval_tokens)
     return report
 
@@ -245,12 +249,14 @@ def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
 
 
 def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 8,
-                draft_cost: dict[int, float] | None = None) -> list[dict]:
+                draft_cost: dict[int, float] | None = None, gamma: int = 0,
+                tau: dict[int, float] | None = None) -> list[dict]:
     """Rank exit layers E = 1..L-1 by predicted speedup on this device: α_E = the exit's greedy agreement
     with the last layer (held out, position by position), the draft step ρ_E·t(1) with ρ_E timed on this
     device (``draft_cost``: :func:`exit_costs`; E / L when not given), the verify t(γ+1) less the shared
     cache's layers [0, E) of the drafted nodes (ρ_v = E / L, specsim.cost), τ = (1 - α^{γ+1}) / (1 - α);
-    best γ per E."""
+    best γ per E, or ``gamma`` when > 0 (the configured draft length; ``tau``: τ_E measured at that γ replaces
+    the iid formula, whose independent positions miss that agreement comes in runs)."""
     import numpy as np
 
     n_layers = len(agreement)
@@ -260,18 +266,30 @@ def choose_exit(agreement: list[float], t_n: dict[int, float], max_gamma: int = 
     for e in range(1, n_layers):
         alpha, share = min(agreement[e - 1], 0.999), e / n_layers
         rho = draft_cost[e] if draft_cost else share
-        step = [g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in range(1, max_gamma + 1)]
-        best = max(((1 - alpha ** (g + 1)) / (1 - alpha) * t(1) / s, g) for g, s in enumerate(step, 1))
+        gammas = [gamma] if gamma > 0 else range(1, max_gamma + 1)
+        step = {g: g * rho * t(1) + (1 - share) * t(g + 1) + share * t(1) for g in gammas}
+        taus = {g: tau[e] if tau and gamma > 0 else (1 - alpha ** (g + 1)) / (1 - alpha) for g in gammas}
+        best = max((taus[g] * t(1) / s, g) for g, s in step.items())
         rows.append({"exit_layer": e, "alpha": agreement[e - 1], "rho": rho, "speedup": best[0],
-                     "gamma": best[1]})
+                     "gamma": best[1], "tau": taus[best[1]]})
     return sorted(rows, key=lambda r: -r["speedup"])
 
 
 @torch.inference_mode()
 def exit_costs(model: PreTrainedModel, context: torch.Tensor, reps: int = 15) -> dict[int, float]:
-    """ρ_E for E = 1..L-1, timed on this device: the early-exit draft step (layers [0, E), the final norm and
-    the LM head over one token after ``context``, as the drafter runs it) over the full single-token step,
-    medians of ``reps`` interleaved rounds. The per-forward overhead that E / L leaves out is in it."""
+    """ρ_E for E = 1..L-1, timed on this device (:func:`exit_timings`)."""
+    return exit_timings(model, context, reps)[0]
+
+
+@torch.inference_mode()
+def exit_timings(model: PreTrainedModel, context: torch.Tensor, reps: int = 15, verify_tokens: int = 0,
+                 clock=time.perf_counter) -> tuple[dict[int, float], float]:
+    """(ρ_E for E = 1..L-1, t(n)/t(1) for n = ``verify_tokens``; 1.0 when 0), timed on this device: the
+    early-exit draft step (layers [0, E), the final norm and the LM head over one token after ``context``, as
+    the drafter runs it) and a full chain forward of n tokens, each over the full single-token step; medians
+    of ``reps`` interleaved rounds after a warm one. The per-forward overhead that E / L leaves out is in it.
+    ``clock``: time.thread_time with one torch thread measures the CPU work alone (a loaded machine's
+    preemptions drop out of the ratios)."""
     import statistics
 
     from methods.core.engine import ModelEngine
@@ -280,19 +298,22 @@ def exit_costs(model: PreTrainedModel, context: torch.Tensor, reps: int = 15) ->
     engine = ModelEngine(model)
     engine.prefill(context[:-1])
     n_layers = model.config.num_hidden_layers
-    subs = {e: SubLayers(stop=e) for e in range(1, n_layers)} | {n_layers: None}
-    ratios: dict[int, list[float]] = {e: [] for e in range(1, n_layers)}
+    steps: dict = {e: (SubLayers(stop=e), 1) for e in range(1, n_layers)} | {n_layers: (None, 1)}
+    if verify_tokens > 1:
+        steps["verify"] = (None, verify_tokens)
+    ratios: dict = {k: [] for k in steps if k != n_layers}
     for r in range(reps + 1):
         times = {}
-        for e, sub in subs.items():
-            t0 = time.perf_counter()
-            engine.extend(context[-1:], [-1], last_only=True, sub=sub)
-            times[e] = time.perf_counter() - t0
+        for k, (sub, n) in steps.items():
+            t0 = clock()
+            engine.extend(context[-n:], list(range(-1, n - 1)), last_only=n == 1, sub=sub)
+            times[k] = clock() - t0
             engine.drop_pending()
         if r:  # the first round warms up
-            for e in ratios:
-                ratios[e].append(times[e] / times[n_layers])
-    return {e: statistics.median(v) for e, v in ratios.items()}
+            for k in ratios:
+                ratios[k].append(times[k] / max(times[n_layers], 1e-9))
+    verify = statistics.median(ratios.pop("verify")) if "verify" in ratios else 1.0
+    return {e: statistics.median(v) for e, v in ratios.items()}, verify
 
 
 def heldout_context(tokenizer, tokens: int = 256) -> torch.Tensor:

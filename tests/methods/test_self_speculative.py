@@ -137,3 +137,44 @@ def test_exit_layers_are_ranked_by_predicted_speedup():
     assert drop_rates(6, 0.2)[0] == 0 and drop_rates(6, 0.2)[-1] == pytest.approx(0.2)
     first, last = exit_weights(6, 0.2, 0, 400), exit_weights(6, 0.2, 399, 400)
     assert first == [0, 0, 0, 0, 0, 1.0] and sum(last) == pytest.approx(1) and all(w > 0 for w in last[1:])
+
+
+def test_auto_exit_layer_is_chosen_by_calibration_and_cached(tiny_target, tmp_path, monkeypatch):
+    """exit_layer=auto: the best predicted speedup of the calibrated table (α_E measured, ρ_E timed), cached
+    per model and device, decoded with, and reported through run_stats (metrics.json)."""
+    from methods.drafters import exit_choice
+    from methods.zoo.layerskip import choose_exit
+
+    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path))
+    models = Models(tiny_target, None, byte_tokenizer(320), torch.device("cpu"), torch.float32)
+    # τ of a greedy chain from runs of agreement: positions 0..3 of [T, T, F, T, T, T] start runs 2, 1, 0, 3
+    agree = [torch.tensor([True, True, False, True, True, True])]
+    assert exit_choice.chain_tau(agree, 3) == pytest.approx(1 + (2 + 1 + 0 + 3) / 4)
+    small = exit_choice.ExitChoiceConfig(prompts=2, prompt_tokens=24, new_tokens=12, reps=2)
+    table = exit_choice.exit_table(tiny_target, models.tokenizer, 3, small)
+    n_layers = tiny_target.config.num_hidden_layers
+    assert sorted(r["exit_layer"] for r in table["ranked"]) == list(range(1, n_layers))
+    assert all(0 <= r["alpha"] <= 1 and r["rho"] > 0 and r["gamma"] == 3 and 1 <= r["tau"] <= 4
+               for r in table["ranked"])
+    again = choose_exit([r["alpha"] for r in sorted(table["ranked"], key=lambda r: r["exit_layer"])] + [1.0],
+                        {1: 1.0, 4: table["verify_over_t1"]},
+                        draft_cost={r["exit_layer"]: r["rho"] for r in table["ranked"]}, gamma=3,
+                        tau={r["exit_layer"]: r["tau"] for r in table["ranked"]})
+    assert table["chosen"] == again[0]["exit_layer"] == max(table["ranked"], key=lambda r: r["speedup"])[
+        "exit_layer"]
+    monkeypatch.setattr(exit_choice, "DEFAULT", small)
+    method = MethodConfig(name="ls", drafter="layerskip", params={"exit_layer": "auto"})
+    drafter = build_drafter(method, Tree.chain(3), models, SamplingParams(0.0))
+    cached = list((tmp_path / "profiles").glob("layerskip-exit-*.json"))
+    assert len(cached) == 1 and drafter.exit_layer == exit_choice.json.loads(cached[0].read_text())["chosen"]
+    stats = drafter.run_stats()
+    assert stats["exit_layer"] == drafter.exit_layer and stats["exit_layer_source"] == "auto (calibrated)"
+    assert len(stats["exit_predicted_speedup_by_layer"]) == n_layers - 1
+    fixed = build_drafter(MethodConfig(name="ls", drafter="layerskip", params={"exit_layer": 1}),
+                          Tree.chain(3), models, SamplingParams(0.0))
+    assert fixed.run_stats() == {"exit_layer": 1, "exit_layer_source": "config"}
+    engine = ModelEngine(tiny_target)
+    prompt = torch.arange(40, 60)
+    g = torch.Generator().manual_seed(0)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=12), g).token_ids
+    assert decode(engine, drafter, prompt, DecodeOptions(max_new_tokens=12), g).token_ids == ref

@@ -100,6 +100,7 @@ def test_run_step_time_prices_the_forwards_and_the_drafted_chain():
     verify = sum(p * cost.tree_verify_time(Tree.chain(k)) for k, p in enumerate(law.drafted))
     assert run.step_time(cost) == pytest.approx(law.forwards * 0.4 + verify)
     assert run.speedup(cost) == pytest.approx(law.tau / (law.forwards * 0.4 + verify))
+    assert run.draft_time(cost) == pytest.approx(law.forwards * 0.4)  # the breakdown metrics.json reports
 
 
 def test_confidence_table_rejects_bad_input():
