@@ -106,8 +106,9 @@ def test_rerank_keeps_the_best_nodes_parents_first():
     # drafted: 1-level a(-0.1), b(-1.0); a's children c(-0.3), d(-2.0); c's child e(-0.4)
     par, tok, rank = [-1, -1, 0, 0, 2], [10, 11, 12, 13, 14], [0, 1, 0, 1, 0]
     score, dep = [-0.1, -1.0, -0.3, -2.0, -0.4], [1, 1, 2, 2, 3]
-    parents, tokens, ranks = _rerank(par, tok, rank, score, dep, 3, 99)
+    parents, tokens, ranks, scores = _rerank(par, tok, rank, score, dep, 3, 99)
     assert tokens == [99, 10, 12, 14] and parents == [-1, 0, 1, 2] and ranks == [0, 0, 0, 0]
+    assert scores == [0.0, -0.1, -0.3, -0.4]
     Tree.from_parents(parents, ranks)
 
 
