@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         return go
 
     def catch_up(n):
-        h, toks = src[-n:].to(p.dtype), ids[-n:]
+        f, toks = src[-n:].to(p.dtype), ids[-n:]
 
-        def go():  # the accepted rows' append, undone (the cache keeps its length)
+        def go():  # the accepted rows' append (EAGLE-3: fused first), undone: the cache keeps its length
             length, last = cache.length, cache.last
-            cache.append(h, toks)
+            cache.append(head.fuse(f), toks)
             cache.length, cache.last = length, last
         return go
 
