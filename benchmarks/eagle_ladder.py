@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="outputs/eagle_ladder", help="one run directory per rung under it")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--only", nargs="+", choices=("medusa", "eagle", "eagle2", "eagle3"),
+                    help="run these rungs only (default: all four)")
     ap.add_argument("overrides", nargs="*", help="more run.py overrides for every rung")
     args = ap.parse_args(argv)
     n = budget(args.k, args.depth)
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
           f"workload {args.workload}")
     rows = []
     for name, over in ladder(args.k, args.depth).items():
+        if args.only and name not in args.only:
+            continue
         run_dir = Path(args.out) / f"{name}-{args.workload}-n{n}-d{args.depth}"
         cmd = [sys.executable, str(ROOT / "run.py"), *over, f"workload={args.workload}",
                f"threads={args.threads}", f"hydra.run.dir={run_dir}", *args.overrides]

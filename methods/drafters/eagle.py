@@ -127,7 +127,7 @@ class EagleDrafter:
             return root_only(root, ctx.tokens.device)
         try:
             if self.dynamic is not None:
-                parents, tokens, ranks = self._dynamic(root, depth)
+                parents, tokens, ranks, _ = self._dynamic(root, depth)
                 self._sizes[0], self._sizes[1] = self._sizes[0] + len(tokens), self._sizes[1] + 1
                 ids = torch.tensor(tokens, device=ctx.tokens.device)
                 return Draft(Tree.from_parents(parents, ranks), ids)
@@ -206,9 +206,10 @@ class EagleDrafter:
                 keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
 
     # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------
-    def _dynamic(self, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
-        """(parents, tokens, ranks) of the best ``total_tokens`` drafted nodes, parents first. Per level
-        one head forward over the frontier, one top-k of its children, one top-k of the next frontier."""
+    def _dynamic(self, root: int, depth: int) -> tuple[list[int], list[int], list[int], list[float]]:
+        """(parents, tokens, ranks, scores) of the best ``total_tokens`` drafted nodes, parents first (scores:
+        cumulative log q, 0 for the root). Per level one head forward over the frontier, one top-k of its
+        children, one top-k of the next frontier."""
         K = self.dynamic.top_k
         top = self.head.logits(self.cache.last).float().log_softmax(-1).topk(K)
         ranks = torch.arange(K)
@@ -252,7 +253,7 @@ class _Plan:
         return cls(expand, width)
 
 
-def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[int], list[int]]:
+def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[int], list[int], list[float]]:
     """Keep the ``total`` best drafted nodes by cumulative log q (shallower first on ties, so a kept node's
     ancestors are kept: scores never increase along a path), renumbered parents-first."""
     best = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:total]
@@ -260,7 +261,8 @@ def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[in
     index = {old: new + 1 for new, old in enumerate(chosen)}
     assert all(par[i] < 0 or par[i] in index for i in chosen), "a kept node lost its parent"
     parents = [-1] + [0 if par[i] < 0 else index[par[i]] for i in chosen]
-    return parents, [root] + [tok[i] for i in chosen], [0] + [rank[i] for i in chosen]
+    return (parents, [root] + [tok[i] for i in chosen], [0] + [rank[i] for i in chosen],
+            [0.0] + [score[i] for i in chosen])
 
 
 def _descends(tree: Tree, j: int, k: int) -> bool:

@@ -51,8 +51,8 @@ def format_report(report: dict) -> str:
 
 def heads_report(paths: ZooPaths) -> str:
     """Draft heads trained on this zoo's target (notes the head stores leave in ``<zoo>/heads/``): training
-    time and held-out top-1 accuracy per draft depth; and each drafter's measured τ on this device (its
-    calibration profile's chain in the real loop, ``loop_tau``)."""
+    time, held-out top-1 accuracy per draft depth and (EAGLE) the head's held-out chain τ; and each
+    drafter's measured τ on this device (its calibration profile's chain in the real loop, ``loop_tau``)."""
     notes = sorted(paths.target_dir.parent.glob("heads/*.json"))
     if not notes:
         return "  heads: none trained on this target yet"
@@ -60,8 +60,10 @@ def heads_report(paths: ZooPaths) -> str:
     for f in notes:
         n = json.loads(f.read_text())
         acc = " ".join(f"{a:.3f}" for a in n["top1_by_depth"])
+        tau = n.get("held_out_tau")  # EAGLE heads: τ of a greedy chain along the same continuations
+        tau = f"  tau {tau['tau']:.3f} (chain of {tau['chain']})" if tau else ""
         lines.append(f"    {n['variant']:7s} trained {n['train_seconds']:.0f} s "
-                     f"(load {n['loadavg_1min']:.1f}): {acc}  [{f.stem}]")
+                     f"(load {n['loadavg_1min']:.1f}): {acc}{tau}  [{f.stem}]")
     profiles = cache_root() / "profiles"
     for f in sorted(profiles.glob("zoo-eagle*.json")):
         d = json.loads(f.read_text())

@@ -106,8 +106,9 @@ def test_rerank_keeps_the_best_nodes_parents_first():
     # drafted: 1-level a(-0.1), b(-1.0); a's children c(-0.3), d(-2.0); c's child e(-0.4)
     par, tok, rank = [-1, -1, 0, 0, 2], [10, 11, 12, 13, 14], [0, 1, 0, 1, 0]
     score, dep = [-0.1, -1.0, -0.3, -2.0, -0.4], [1, 1, 2, 2, 3]
-    parents, tokens, ranks = _rerank(par, tok, rank, score, dep, 3, 99)
+    parents, tokens, ranks, scores = _rerank(par, tok, rank, score, dep, 3, 99)
     assert tokens == [99, 10, 12, 14] and parents == [-1, 0, 1, 2] and ranks == [0, 0, 0, 0]
+    assert scores == [0.0, -0.1, -0.3, -0.4]
     Tree.from_parents(parents, ranks)
 
 
@@ -197,8 +198,10 @@ def test_store_trains_once_reports_accuracy_by_depth_and_notes_it_next_to_the_zo
     assert meta["top1_by_depth"] == acc and head.cfg.variant == "eagle1"
     again = store.ensure_eagle(target, tiny_models.tokenizer, cfg, ev, cache_root=tmp_path / "cache")
     assert again.root == built.root and again.report == built.report  # cached: not trained again
+    tau = built.report["held_out_tau"]
+    assert tau["chain"] == store.TAU_CHAIN and 1 <= tau["tau"] <= store.TAU_CHAIN + 1
     text = heads_report(SimpleNamespace(target_dir=zoo / "target"))
-    assert "eagle1" in text and f"{acc[0]:.3f}" in text
+    assert "eagle1" in text and f"{acc[0]:.3f}" in text and f"tau {tau['tau']:.3f}" in text
 
 
 def test_dynamic_tree_with_one_child_per_level_is_the_static_chain(tiny_models):
@@ -328,3 +331,23 @@ def test_packed_head_computes_what_the_plain_one_does(tiny_models, variant, laye
         assert bool(head.packed) == packing_works(torch.float32)
         got = head.logits(head(head.fuse(h), toks, torch.arange(6)))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_held_out_chain_tau_is_the_decode_loops(tiny_models):
+    """store.chain_accepts (the head's held-out τ in the zoo report) replays the decode loop's steps: the same
+    accepted lengths as decoding with the EAGLE drafter on a chain tree, greedy, on the same prompt."""
+    from methods.heads.eagle.store import chain_accepts, chain_tau
+
+    target = tiny_models.target
+    toks = torch.randint(0, 256, (4000,), generator=torch.Generator().manual_seed(0))
+    head = train(target, toks, EagleTrainConfig(steps=40, train_windows=8, seq_len=24, batch_windows=4,
+                                                lr=3e-3)).head
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(7))
+    opts = DecodeOptions(Verifier.greedy, GREEDY, 40)
+    res = decode(ModelEngine(target), EagleDrafter(head, Tree.chain(3), GREEDY), prompt, opts,
+                 torch.Generator().manual_seed(0))
+    continued = torch.cat([prompt, torch.tensor(res.token_ids)])[None]
+    steps = chain_accepts(head, target, continued, prompt.numel(), 3)
+    assert steps == res.accepted_lengths[: len(steps)] and len(steps) >= len(res.accepted_lengths) - 2
+    assert max(steps) > 1  # some drafts accepted: the comparison is not all ones
+    assert chain_tau(head, target, continued, prompt.numel(), 3) == sum(steps) / len(steps)

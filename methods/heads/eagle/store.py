@@ -2,9 +2,11 @@
 
 Key = hash of (the target's identity, the tokenizer's vocabulary size, the EagleTrainConfig, the evaluation
 settings). The entry ``<cache root>/eagle/<key>/`` holds ``head/`` (the published EAGLE / EAGLE-3 layout,
-methods.heads.eagle.checkpoint) and ``report.json`` (training time, loss curve, held-out top-1 accuracy per
-draft depth on greedy continuations of test prompts). Built in a temp directory under a file lock, then
-renamed, like Medusa's store (whose target fingerprint, corpus sampler and lock it reuses).
+methods.heads.eagle.checkpoint) and ``report.json``: training time, loss curve, held-out top-1 accuracy per
+draft depth on greedy continuations of test prompts, and the head's measured τ drafting a greedy chain of
+``TAU_CHAIN`` tokens along them (``chain_tau``; added on first use to entries built before it). Built in a
+temp directory under a file lock, then renamed, like Medusa's store (whose target fingerprint, corpus sampler
+and lock it reuses).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from methods.heads.eagle.checkpoint import save_eagle
+from methods.heads import trainer
+from methods.heads.eagle.checkpoint import load_eagle, save_eagle
+from methods.heads.eagle.head import EagleHead
+from methods.heads.eagle.state import HeadCache
 from methods.heads.eagle.train import EagleTrainConfig, depth_accuracy, train
 from methods.heads.medusa.store import _cache_root, build_once, corpus_tokens, head_key, target_identity
 from methods.heads.medusa.train import greedy_continuations, sample_windows
 
 VERSION = 1  # bump when training or evaluation changes meaningfully
+TAU_CHAIN = 4  # the held-out τ's chain depth (the calibration profiles' chain)
 
 
 @dataclass(frozen=True)
@@ -56,16 +62,68 @@ def ensure_eagle(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cf
     root = Path(cache_root) if cache_root is not None else _cache_root()
     entry = root / "eagle" / cache_key(target, tokenizer, cfg, ev)
     build_once(entry, lambda path: _build(target, tokenizer, cfg, ev, path))
-    return BuiltEagle(entry, entry / "head", json.loads((entry / "report.json").read_text()))
+    report = json.loads((entry / "report.json").read_text())
+    if "held_out_tau" not in report:  # an entry built before the τ was measured: measure it now, once
+        head, _ = load_eagle(entry / "head", target)
+        report["held_out_tau"] = held_out(target, head, tokenizer, ev, cfg.seed)[1]
+        _write_json(entry / "report.json", report)
+        _note_next_to_zoo(target, entry, report)
+    return BuiltEagle(entry, entry / "head", report)
 
 
-def held_out_accuracy(target, head, tokenizer, ev: EagleEval, seed: int = 0) -> list[float]:
-    """Top-1 accuracy per draft depth 1..ev.depths on greedy continuations of test-split prompts."""
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def held_out(target, head, tokenizer, ev: EagleEval, seed: int = 0) -> tuple[list[float], dict]:
+    """On greedy continuations of test-split prompts: top-1 accuracy per draft depth 1..ev.depths, and the
+    chain τ (``chain_tau``, {"chain": TAU_CHAIN, "tau": τ})."""
     tokens = corpus_tokens(tokenizer, "test", ev.test_chars, seed)
     prompts = sample_windows(tokens, ev.prompts, ev.prompt_len, torch.Generator().manual_seed(seed + 12345))
     continued = greedy_continuations(target, prompts, ev.new_tokens)
     acc = depth_accuracy(head, target, continued, ev.depths, start=ev.prompt_len - 2)
-    return [round(float(a), 4) for a in acc]
+    tau = chain_tau(head, target, continued, ev.prompt_len, TAU_CHAIN)
+    return [round(float(a), 4) for a in acc], {"chain": TAU_CHAIN, "tau": round(tau, 4)}
+
+
+def chain_tau(head: EagleHead, target, continued: torch.Tensor, start: int, depth: int) -> float:
+    accepted = chain_accepts(head, target, continued, start, depth)
+    return sum(accepted) / max(len(accepted), 1)
+
+
+@torch.no_grad()
+def chain_accepts(head: EagleHead, target, continued: torch.Tensor, start: int, depth: int) -> list[int]:
+    """Per step, accepted drafts + 1 (the decode loop's ``accepted_lengths``) of greedy chain drafting
+    along the target's greedy continuations ``continued`` (B, L), from root x_{start-1}: per step the head
+    drafts ``depth`` tokens from its own KV cache as in decoding (HeadCache), the prefix that matches the
+    continuation is accepted plus the target's bonus token, and the accepted rows' target features are
+    appended. Greedy verification accepts exactly that: these are the decode loop's steps for a chain of
+    ``depth`` (up to float rounding of the features), row after row."""
+    layers = head.cfg.feature_layers if head.cfg.variant == "eagle3" else ()
+    feats = trainer.target_features(target, continued, layers, desc="eagle: held-out tau")
+    src = feats.layers if layers else feats.hidden
+    dtype = head.fc.weight.dtype
+    accepted = []
+    for ids, f in zip(continued, src):
+        cache, t = HeadCache(head), start  # committed: ids[:t], root ids[t-1]
+        cache.append(head.fuse(f[: t - 1].to(dtype)), ids[1:t])
+        while t + depth <= len(ids):
+            g, drafted, parent = cache.last, [], torch.tensor([-1])
+            for d in range(1, depth + 1):
+                tok = head.logits(g).argmax(-1).reshape(1)
+                drafted.append(int(tok))
+                if d < depth:  # the depth-d node is fed for its child; it is pending row d-1
+                    g, parent = cache.feed(g[None], tok, d, parent)[0], torch.tensor([d - 1])
+            a = 0
+            while a < depth and drafted[a] == int(ids[t + a]):
+                a += 1
+            accepted.append(a + 1)
+            nxt = min(t + a + 1, len(ids))
+            cache.append(head.fuse(f[t - 1 : nxt - 1].to(dtype)), ids[t:nxt])
+            t = nxt
+    return accepted
 
 
 def _build(target, tokenizer, cfg: EagleTrainConfig, ev: EagleEval, entry: Path) -> None:
@@ -73,10 +131,11 @@ def _build(target, tokenizer, cfg: EagleTrainConfig, ev: EagleEval, entry: Path)
     shutil.rmtree(tmp, ignore_errors=True)
     result = train(target, corpus_tokens(tokenizer, "train", ev.train_chars, cfg.seed), cfg)
     t0 = time.perf_counter()
-    accuracy = held_out_accuracy(target, result.head, tokenizer, ev, cfg.seed)
+    accuracy, tau = held_out(target, result.head, tokenizer, ev, cfg.seed)
     report = {
         "variant": cfg.variant,
         "top1_by_depth": accuracy,
+        "held_out_tau": tau,
         "train_seconds": round(result.seconds, 2),
         "eval_seconds": round(time.perf_counter() - t0, 2),
         "config": cfg.to_dict(),
@@ -99,7 +158,8 @@ def _note_next_to_zoo(target: PreTrainedModel, entry: Path, report: dict) -> Non
     if not (zoo / "zoo_config.json").exists():
         return
     (zoo / "heads").mkdir(exist_ok=True)
-    note = {k: report[k] for k in ("variant", "top1_by_depth", "train_seconds", "loadavg_1min", "config")}
+    keys = ("variant", "top1_by_depth", "held_out_tau", "train_seconds", "loadavg_1min", "config")
+    note = {k: report[k] for k in keys if k in report}
     atomic = zoo / "heads" / f".{entry.name}.tmp{os.getpid()}"
     atomic.write_text(json.dumps({**note, "entry": str(entry)}, indent=1))
     os.replace(atomic, zoo / "heads" / f"{report['variant']}-{entry.name}.json")
