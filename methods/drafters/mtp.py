@@ -3,18 +3,20 @@ target p draft chains and trees (q_k = module k); verification is the loop's, lo
 
 After a verification the target's hidden states of the committed tokens arrive in ``DraftContext.hidden``;
 module 1 reads the last ``window`` of them with the committed tokens shifted by one and its last position
-gives the depth-1 candidates; module k reads module k-1's states with the tokens shifted by k, the draft's
-own depth-(k-1) token (the spine: each depth's top candidate, or its draw) standing in for the token not yet
-committed. Trees are filled Medusa's way: a depth-d node of rank r gets module d's rank-r candidate along
-the spine (q = None: greedy / deterministic verifiers, lossless at any temperature). With chain /
-specinfer at temperature > 0 the chain is drawn from the modules' processed laws and their rows returned.
+gives the root's children; module k reads module k-1's states with the tokens shifted by k. In a tree each
+expanded depth-(k-1) node v gets its own row in module k (tree attention: the shared committed prefix plus
+v's draft ancestors), reading v's token and module k-1's state at v's parent, so v's children are module
+k's top-k given v's own path, as in calibration where module k reads the true tokens (filling every depth
+from the top-1 path's candidates, Medusa's way, lost ~20% of tau on Sequoia trees: issue 14). One module
+call per depth over n-k+1 prefix rows plus the tree's nodes of depths 1..k-1 (q = None: greedy /
+deterministic verifiers, lossless at any temperature). With chain / specinfer at temperature > 0 the chain
+is drawn from the modules' processed laws and their rows returned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
@@ -51,7 +53,7 @@ class MTPDrafter:
         self.sampling, self.sample = sampling, sample
         assert not sample or self.tree.width <= 1, "sampled MTP drafts are chains"
         self._h: list[torch.Tensor] = []
-        self._cut: dict[int, tuple[Tree, list[int]]] = {}
+        self._cut: dict[int, Tree] = {}
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -93,38 +95,72 @@ class MTPDrafter:
         if not self._h or depth < 1:
             return root_only(root, ctx.tokens.device)
         h = torch.cat(self._h)[-window:]  # (n, H): positions t-1-n .. t-2, the last predicted the root
-        n = h.shape[0]
-        tree, widths = self._layout(depth)
-        ext = ctx.tokens[t - n :].tolist()  # x_{t-n} .. x_{t-1} (the root last)
-        cands, q_rows = [], []
-        for k in range(1, depth + 1):  # module k at position i reads x_{i+k}: window tokens shifted by k
-            toks = torch.tensor(ext[k - 1 : k - 1 + n], device=h.device)[None]
-            h = self.heads.step(k, h[None], toks)[0]  # (n, H)
-            logits = self.heads.logits(k, h[-1]).float()  # (V,) q_k of x_{t-1+k}
-            if self.sample:
-                q = probs(logits[None], self.sampling)[0]
-                top = torch.multinomial(q, 1, generator=ctx.generator)
-                q_rows.append(q)
-            else:
-                top = logits.topk(widths[k - 1]).indices
-            cands.append(top)
-            ext.append(int(top[0]))
-        table = torch.full((depth + 1, max(widths)), root, dtype=torch.long)
-        for d, c in enumerate(cands, start=1):
-            table[d, : c.numel()] = c.cpu()
-        tokens = table[torch.as_tensor(tree.depths), torch.as_tensor(tree.ranks)]
-        q = None
-        if self.sample:
-            q = torch.zeros(tree.size, q_rows[0].numel())
-            q[:depth] = torch.stack(q_rows).cpu()
+        tree = self._layout(min(depth, h.shape[0]))  # module k keeps n-k+1 prefix rows
+        ext = ctx.tokens[t - h.shape[0] :].tolist()  # x_{t-n} .. x_{t-1} (the root last)
+        tokens = torch.full((tree.size,), root, dtype=torch.long)
+        q = torch.zeros(tree.size, self.heads.lm_head.shape[0]) if self.sample else None
+        states: dict[int, torch.Tensor] = {}  # node -> h^{k-1} row of the module that read it
+        for k in range(1, tree.depth + 1):
+            h, states = self._module(k, h, ext, tree, tokens, states)
+            for v in self._expanding(tree, k - 1):
+                logits = self.heads.logits(k, states[v]).float()  # (V,) q_k of v's children
+                kids = tree.children[v]
+                if self.sample:
+                    law = probs(logits[None], self.sampling)[0]
+                    top = torch.multinomial(law, 1, generator=ctx.generator)
+                    q[v] = law.cpu()
+                else:
+                    top = logits.topk(max(tree.ranks[c] for c in kids) + 1).indices
+                top = top.cpu()
+                for c in kids:
+                    tokens[c] = top[tree.ranks[c]]
         return Draft(tree, tokens.to(ctx.tokens.device), q)
 
-    def _layout(self, depth: int) -> tuple[Tree, list[int]]:
+    def _module(self, k: int, h: torch.Tensor, ext: list[int], tree: Tree, tokens: torch.Tensor,
+                states: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Module k over the committed prefix (its n-k+1 positions read x up to the root) and, with tree
+        attention, one row per draft node v of depths 1..k-1 that leads to a depth-k node: row v reads
+        v's token and module k-1's state at v's parent, so every node's children are conditioned on its
+        own path (calibration conditions module k on the true tokens the same way). Returns the prefix
+        rows of h^k and the state of every node that module k+1 reads (the root: the last prefix row)."""
+        n_pre = h.shape[0] - (k > 1)  # module k-1's prefix less its root row
+        nodes = [v for v in self._needed(tree, k) if v]  # depth 1..k-1, topological
+        prev = [states[tree.parents[v]] for v in nodes]
+        h_in = torch.cat([h[:n_pre]] + [p[None] for p in prev]) if nodes else h[:n_pre]
+        toks = ext[k - 1 : k - 1 + n_pre] + [int(tokens[v]) for v in nodes]
+        t = n_pre + len(nodes)
+        allowed = torch.zeros(t, t, dtype=torch.bool)
+        allowed[:n_pre, :n_pre] = torch.ones(n_pre, n_pre, dtype=torch.bool).tril()
+        row = {v: n_pre + i for i, v in enumerate(nodes)}
+        pos = torch.arange(t)
+        for v, r in row.items():
+            allowed[r, :n_pre] = True
+            u = v
+            while u:  # the node and its draft ancestors
+                allowed[r, row[u]] = True
+                u = tree.parents[u]
+            pos[r] = n_pre - 1 + int(tree.depths[v])
+        out = self.heads.step(k, h_in[None], torch.tensor(toks, device=h.device)[None], allowed, pos)[0]
+        new = {0: out[n_pre - 1]} | {v: out[r] for v, r in row.items()}
+        return out[:n_pre], new
+
+    @staticmethod
+    def _expanding(tree: Tree, d: int) -> list[int]:
+        return [v for v in range(tree.size) if tree.depths[v] == d and tree.children[v]]
+
+    def _needed(self, tree: Tree, k: int) -> list[int]:
+        """Nodes of depth <= k-1 on a path to a depth-k node (the root included), in tree order."""
+        keep: set[int] = set()
+        for v in self._expanding(tree, k - 1):
+            while v >= 0 and v not in keep:
+                keep.add(v)
+                v = tree.parents[v]
+        return sorted(keep)
+
+    def _layout(self, depth: int) -> Tree:
         if depth not in self._cut:
             tree = self.tree
             if tree.depth > depth:
                 tree = subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
-            widths = np.zeros(depth, dtype=np.int64)
-            np.maximum.at(widths, np.asarray(tree.depths[1:]) - 1, np.asarray(tree.ranks[1:]) + 1)
-            self._cut[depth] = (tree, widths.tolist())
+            self._cut[depth] = tree
         return self._cut[depth]

@@ -74,18 +74,23 @@ class MTPModules(nn.Module):
     def num_heads(self) -> int:  # the calibration's depth count, as Medusa's heads
         return self.cfg.depths
 
-    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, k: int, h_prev: torch.Tensor, tokens: torch.Tensor, allowed: torch.Tensor | None = None,
+             pos: torch.Tensor | None = None) -> torch.Tensor:
         """h^k (B, T, H) of module k (1-based) from h^{k-1} (B, T, H) and x_{i+k} (B, T): causal attention
-        over the T positions (at most ``window`` back)."""
+        over the T positions (at most ``window`` back). A draft tree passes its own ``allowed`` (T, T) bool
+        (row attends to column) and position ids ``pos`` (T,) instead: tree attention, every node reading
+        its shared prefix and its own ancestors only."""
         m = self.mods[k - 1]
         w = m.proj.weight
         e = nn.functional.embedding(tokens, self.embed).to(w.dtype)
         x = m.proj(torch.cat([m.norm_h(h_prev.to(w.dtype)), m.norm_e(e)], dim=-1))  # (B, T, H)
         t = x.shape[1]
-        pos = torch.arange(t, device=x.device)[None]
-        i, j = torch.arange(t)[:, None], torch.arange(t)[None]
-        allowed = (j <= i) & (j > i - self.cfg.window)
-        mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(~allowed, float("-inf"))[None, None].to(x.device)
+        if allowed is None:
+            i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+            allowed = (j <= i) & (j > i - self.cfg.window)
+        pos = (torch.arange(t) if pos is None else pos).to(x.device)[None]
+        mask = torch.zeros(t, t, dtype=x.dtype).masked_fill(~allowed.cpu(), float("-inf"))
+        mask = mask[None, None].to(x.device)
         return m.block(x, attention_mask=mask, position_embeddings=self.rotary(x, pos), position_ids=pos)
 
     def logits(self, k: int, h: torch.Tensor) -> torch.Tensor:
