@@ -16,7 +16,9 @@ is drawn from the modules' processed laws and their rows returned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
@@ -44,6 +46,43 @@ class MTPParams:
         return cls(**checked_params(cls, method.params, "mtp"))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Module k's rows in a tree: ``nodes`` (depths 1..k-1, on a path to depth k, tree order), ``src`` (the
+    row of each one's parent among module k-1's states: 0 the root, i+1 module k-1's node i), ``anc`` their
+    ancestor mask, ``expand`` the depth-(k-1) nodes with children (``expand_rows`` their state rows) and
+    their children ``kids`` (``kid_parent`` their parent's index in ``expand``, ``kid_rank`` their rank)."""
+
+    nodes: torch.Tensor
+    src: torch.Tensor
+    anc: torch.Tensor
+    depths: torch.Tensor
+    expand: torch.Tensor
+    expand_rows: torch.Tensor
+    width: int
+    kids: torch.Tensor
+    kid_parent: torch.Tensor
+    kid_rank: torch.Tensor
+
+    @classmethod
+    def build(cls, tree: Tree, k: int, prev: list[int]) -> _Plan:
+        expand = [v for v in range(tree.size) if tree.depths[v] == k - 1 and tree.children[v]]
+        keep: set[int] = set()
+        for v in expand:
+            while v > 0 and v not in keep:
+                keep.add(v)
+                v = tree.parents[v]
+        nodes = sorted(keep)
+        prev_row = {0: 0} | {v: i + 1 for i, v in enumerate(prev)}
+        row = {0: 0} | {v: i + 1 for i, v in enumerate(nodes)}
+        kids = [(c, e, tree.ranks[c]) for e, v in enumerate(expand) for c in tree.children[v]]
+        t = partial(torch.tensor, dtype=torch.long)
+        return cls(t(nodes), t([prev_row[tree.parents[v]] for v in nodes]),
+                   torch.as_tensor(tree.ancestor_mask[np.ix_(nodes, nodes)]), t(tree.depths[nodes].tolist()),
+                   t(expand), t([row[v] for v in expand]), max(r for *_, r in kids) + 1,
+                   t([c for c, *_ in kids]), t([e for _, e, _ in kids]), t([r for *_, r in kids]))
+
+
 class MTPDrafter:
     needs_hidden_states = True
 
@@ -54,6 +93,7 @@ class MTPDrafter:
         assert not sample or self.tree.width <= 1, "sampled MTP drafts are chains"
         self._h: list[torch.Tensor] = []
         self._cut: dict[int, Tree] = {}
+        self._plans: dict[tuple[int, int, int], _Plan] = {}
 
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
@@ -99,63 +139,43 @@ class MTPDrafter:
         ext = ctx.tokens[t - h.shape[0] :].tolist()  # x_{t-n} .. x_{t-1} (the root last)
         tokens = torch.full((tree.size,), root, dtype=torch.long)
         q = torch.zeros(tree.size, self.heads.lm_head.shape[0]) if self.sample else None
-        states: dict[int, torch.Tensor] = {}  # node -> h^{k-1} row of the module that read it
+        states = h[-1:]  # rows: the root, then the plan's nodes (module k's state where it read them)
         for k in range(1, tree.depth + 1):
-            h, states = self._module(k, h, ext, tree, tokens, states)
-            for v in self._expanding(tree, k - 1):
-                logits = self.heads.logits(k, states[v]).float()  # (V,) q_k of v's children
-                kids = tree.children[v]
-                if self.sample:
-                    law = probs(logits[None], self.sampling)[0]
-                    top = torch.multinomial(law, 1, generator=ctx.generator)
-                    q[v] = law.cpu()
-                else:
-                    top = logits.topk(max(tree.ranks[c] for c in kids) + 1).indices
-                top = top.cpu()
-                for c in kids:
-                    tokens[c] = top[tree.ranks[c]]
+            plan = self._plan(tree, k)
+            h, states = self._module(k, plan, h, states, ext, tokens)
+            logits = self.heads.logits(k, states[plan.expand_rows]).float()  # (E, V): q_k of their children
+            if self.sample:
+                law = probs(logits, self.sampling)
+                top = torch.multinomial(law, 1, generator=ctx.generator)
+                q[plan.expand] = law.cpu()
+            else:
+                top = logits.topk(plan.width).indices
+            tokens[plan.kids] = top.cpu()[plan.kid_parent, plan.kid_rank]
         return Draft(tree, tokens.to(ctx.tokens.device), q)
 
-    def _module(self, k: int, h: torch.Tensor, ext: list[int], tree: Tree, tokens: torch.Tensor,
-                states: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _module(self, k: int, plan: _Plan, h: torch.Tensor, states: torch.Tensor, ext: list[int],
+                tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Module k over the committed prefix (its n-k+1 positions read x up to the root) and, with tree
         attention, one row per draft node v of depths 1..k-1 that leads to a depth-k node: row v reads
         v's token and module k-1's state at v's parent, so every node's children are conditioned on its
         own path (calibration conditions module k on the true tokens the same way). Returns the prefix
-        rows of h^k and the state of every node that module k+1 reads (the root: the last prefix row)."""
+        rows of h^k and the states module k+1 reads (the root's: the last prefix row; then the nodes')."""
         n_pre = h.shape[0] - (k > 1)  # module k-1's prefix less its root row
-        nodes = [v for v in self._needed(tree, k) if v]  # depth 1..k-1, topological
-        prev = [states[tree.parents[v]] for v in nodes]
-        h_in = torch.cat([h[:n_pre]] + [p[None] for p in prev]) if nodes else h[:n_pre]
-        toks = ext[k - 1 : k - 1 + n_pre] + [int(tokens[v]) for v in nodes]
-        t = n_pre + len(nodes)
-        allowed = torch.zeros(t, t, dtype=torch.bool)
-        allowed[:n_pre, :n_pre] = torch.ones(n_pre, n_pre, dtype=torch.bool).tril()
-        row = {v: n_pre + i for i, v in enumerate(nodes)}
-        pos = torch.arange(t)
-        for v, r in row.items():
-            allowed[r, :n_pre] = True
-            u = v
-            while u:  # the node and its draft ancestors
-                allowed[r, row[u]] = True
-                u = tree.parents[u]
-            pos[r] = n_pre - 1 + int(tree.depths[v])
-        out = self.heads.step(k, h_in[None], torch.tensor(toks, device=h.device)[None], allowed, pos)[0]
-        new = {0: out[n_pre - 1]} | {v: out[r] for v, r in row.items()}
-        return out[:n_pre], new
+        m = len(plan.nodes)
+        h_in = torch.cat([h[:n_pre], states[plan.src.to(h.device)]])
+        toks = torch.cat([torch.tensor(ext[k - 1 : k - 1 + n_pre]), tokens[plan.nodes]]).to(h.device)
+        allowed = torch.ones(n_pre + m, n_pre + m, dtype=torch.bool).tril()
+        allowed[n_pre:, n_pre:] = plan.anc  # draft nodes: the whole prefix, then their own ancestors
+        pos = torch.cat([torch.arange(n_pre), n_pre - 1 + plan.depths])
+        out = self.heads.step(k, h_in[None], toks[None], allowed, pos)[0]
+        return out[:n_pre], out[n_pre - 1 :]
 
-    @staticmethod
-    def _expanding(tree: Tree, d: int) -> list[int]:
-        return [v for v in range(tree.size) if tree.depths[v] == d and tree.children[v]]
-
-    def _needed(self, tree: Tree, k: int) -> list[int]:
-        """Nodes of depth <= k-1 on a path to a depth-k node (the root included), in tree order."""
-        keep: set[int] = set()
-        for v in self._expanding(tree, k - 1):
-            while v >= 0 and v not in keep:
-                keep.add(v)
-                v = tree.parents[v]
-        return sorted(keep)
+    def _plan(self, tree: Tree, k: int) -> _Plan:
+        """Which nodes module k reads and expands in ``tree`` (cached per tree and depth)."""
+        key = (tree.size, tree.depth, k)  # trees here are cuts of self.tree by depth
+        if key not in self._plans:
+            self._plans[key] = _Plan.build(tree, k, self._plan(tree, k - 1).nodes.tolist() if k > 1 else [])
+        return self._plans[key]
 
     def _layout(self, depth: int) -> Tree:
         if depth not in self._cut:
