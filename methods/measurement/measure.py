@@ -180,6 +180,11 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
         shapes = dict(getattr(drafter, "shapes", None) or {}) or None
         metrics["dynamic_tree_pricing"] = "recorded" if shapes else "static_upper_bound"
+        if shapes:  # the kept trees' mean nodes per depth (the static tree's: its own shape)
+            n = sum(shapes.values())
+            metrics["dynamic_nodes_per_depth"] = [
+                sum(c * int((t.depths == d).sum()) for t, c in shapes.items()) / n
+                for d in range(1, max(t.depth for t in shapes) + 1)]
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup,
