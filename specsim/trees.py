@@ -2,10 +2,14 @@
 
 chain (Leviathan et al. 2023), k-ary, Medusa paths (Cai et al. 2024), Sequoia (Chen et al. 2024: DP-optimal
 for the positional vector, (budget, depth) chosen from t(n) and the draft time), dynamic (EAGLE-2, Li et al.
-2024b: approximated, see ``build_tree``), none (plain decoding). Notation: p = target, q = draft.
+2024b: without recorded trees, approximated by the best static tree of its budget, see ``build_tree``; with
+the trees the drafter actually kept, priced as their mixture, see ``recorded_law``), none (plain decoding).
+Notation: p = target, q = draft.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -13,6 +17,7 @@ from specsim import sequoia
 from specsim.acceptance import AcceptanceLike, PositionalAcceptance, as_acceptance
 from specsim.config import TreeConfig, TreeKind
 from specsim.cost import CostModel
+from specsim.expected import accepted_length_law
 from specsim.tree import Tree
 
 DERIVED_WIDTH = 32  # ranks kept when a Sequoia vector is derived from an α model ((1 − α)^32 is negligible)
@@ -52,7 +57,10 @@ def build_tree(tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel
 
     ``dynamic`` (EAGLE-2) re-ranks its tree per context from draft confidences, which the simulator does
     not have; it is approximated by the best static tree of total_tokens + 1 nodes within depth + 1
-    levels and top_k children per node (an upper bound on what a context-free tree of that size gets).
+    levels and top_k children per node: an upper bound on what any context-free tree of that size gets
+    under the positional model, which the drafter's q-ranked trees need not reach (EAGLE heads whose q
+    under-states deep acceptance keep wide shallow trees). Where the kept trees were recorded, price them
+    instead (``recorded_law``); this tree then only sizes the step (same node count and depth).
     """
     kind = TreeKind(tree_cfg.kind)
     if kind == TreeKind.none:
@@ -71,3 +79,18 @@ def build_tree(tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel
         budget = min(tree_cfg.total_tokens + 1, capacity)
         return sequoia.optimal_tree(acceptance_vector(acceptance, k), budget, d + 1).tree
     raise ValueError(f"tree.kind: unknown {kind!r}")
+
+
+def recorded_law(shapes: Mapping[Tree, int], acceptance: AcceptanceLike) -> np.ndarray:
+    """The law of τ of a dynamic (EAGLE-2) drafter from the trees it actually kept: ``shapes`` maps each
+    kept tree (its parents and sibling ranks: rank r = q's top-r child) to how often it was proposed, and
+    the result is their frequency-weighted mixture of ``accepted_length_law`` under the positional
+    (depth, rank) model, so Σ_k k·law[k] is the mean over the recorded trees of k̄ = Σ_v P(v accepted).
+    The trees are taken as given (their shape comes from q alone); acceptance only from ``acceptance``."""
+    total = sum(int(n) for n in shapes.values())
+    assert shapes and total > 0, "need at least one recorded tree"
+    law = np.zeros(max(t.depth for t in shapes) + 2)
+    for tree, n in shapes.items():
+        one = accepted_length_law(tree, acceptance)
+        law[: one.size] += int(n) * one
+    return law / total

@@ -17,6 +17,7 @@ children: one head forward per level.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,9 @@ class EagleDrafter:
         self.needs_hidden_states = head.cfg.variant == "eagle1"
         self.cache = HeadCache(self.head)
         self._sizes = [0, 0]  # dynamic trees: nodes proposed, proposals (for the mean tree size)
+        # dynamic trees: each kept shape (parents, sibling ranks) → times proposed, so that the simulator
+        # prices the trees this drafter builds (specsim.trees.recorded_law), not the best static one
+        self.shapes: Counter[Tree] = Counter()
         self._plans: dict[Tree, _Plan] = {}  # static trees (cut to the remaining budget): their levels
 
     @property
@@ -129,8 +133,9 @@ class EagleDrafter:
             if self.dynamic is not None:
                 parents, tokens, ranks, _ = self._dynamic(root, depth)
                 self._sizes[0], self._sizes[1] = self._sizes[0] + len(tokens), self._sizes[1] + 1
-                ids = torch.tensor(tokens, device=ctx.tokens.device)
-                return Draft(Tree.from_parents(parents, ranks), ids)
+                ids, tree = torch.tensor(tokens, device=ctx.tokens.device), Tree.from_parents(parents, ranks)
+                self.shapes[tree] += 1
+                return Draft(tree, ids)
             return self._static(root, depth, ctx)
         finally:
             self.cache.drop_pending()

@@ -174,9 +174,17 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["drafter_updates"] = [dict(u, after_measured_request=u["after_request"] - cfg.warmup)
                                       for u in updates]
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
-    if TreeKind(cfg.tree.kind) == TreeKind.dynamic and profile is not None:  # priced as its static DP tree
+    shapes = None  # a dynamic tree: the kept trees the drafter recorded, priced as such (else: upper bound)
+    if TreeKind(cfg.tree.kind) == TreeKind.dynamic and profile is not None:  # the step: its static DP tree
         tree = dynamic_tree_for(cfg, profile)
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
+        shapes = dict(getattr(drafter, "shapes", None) or {}) or None
+        metrics["dynamic_tree_pricing"] = "recorded" if shapes else "static_upper_bound"
+        if shapes:  # the kept trees' mean nodes per depth (the static tree's: its own shape)
+            n = sum(shapes.values())
+            metrics["dynamic_nodes_per_depth"] = [
+                sum(c * int((t.depths == d).sum()) for t, c in shapes.items()) / n
+                for d in range(1, max(t.depth for t in shapes) + 1)]
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup,
@@ -189,7 +197,10 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions.update(judged)
         if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
             predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
-            predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted)))
+            predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted, shapes)))
+            if shapes:  # the static DP tree's τ, for comparison (the former pricing, an upper bound)
+                static = tree_predictions(cfg, profile, tree)[0]
+                predictions["predicted_tau_static_tree"] = static["predicted_tau"]
         predictions.update(calibrated_costs(cfg, profile))
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),

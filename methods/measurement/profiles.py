@@ -32,7 +32,7 @@ from specsim.io import atomic_write_json, read_json
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
-from specsim.trees import build_tree
+from specsim.trees import build_tree, recorded_law
 
 PROFILE_FORMAT = 9  # bump when what a profile means changes (8: 24 prompts; 9: costs as ratios of t(1) from
 # interleaved rounds, their dispersion, the stale mark)
@@ -438,9 +438,12 @@ def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[s
             "tokens_per_forward": per_forward, "predicted_decode_speedup": per_forward * ar / step}
 
 
-def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict[str, Any], dict[str, Any]]:
+def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[Tree, int] | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The simulator's predictions for a given tree under the measured acceptance: with this device's
-    measured t(n) and draft time (the validation figure), and on the hardware preset's roofline."""
+    measured t(n) and draft time (the validation figure), and on the hardware preset's roofline.
+    ``shapes`` (a dynamic drafter's kept trees → counts): τ is their mixture's (specsim.trees.recorded_law)
+    under the measured vectors, the step still priced on ``tree`` (same size and depth)."""
     multi = multi_draft_law(cfg, profile, tree)
     if multi is not None:
         tree = multi[0]
@@ -455,6 +458,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[dict
     if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
         n = cfg.workload.max_new_tokens
         here, preset = _law_summary(here, multi[1], n), _law_summary(preset, multi[1], n)
+    if shapes:  # the trees a dynamic drafter kept, each under the measured (depth, rank) model
+        n = cfg.workload.max_new_tokens
+        here = _law_summary(here, recorded_law(shapes, from_config(here_cfg.method.acceptance)), n)
+        preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
     return here, preset
 
 
@@ -475,7 +482,9 @@ def dynamic_tree_for(cfg: RunConfig, profile: Profile) -> Tree:
     """The static tree a dynamic (EAGLE-2) tree is priced as: the DP-optimal tree of total_tokens + 1 nodes
     within depth + 1 levels and top_k children (specsim.trees.build_tree) under this drafter's measured
     vectors; its τ is then taken under the measured per-depth vectors and its step under the measured t(n)
-    and draft time. The real tree re-ranks per context, so it can beat this context-free tree."""
+    and draft time. Its τ is an upper bound on a context-free tree of that size, which the drafter's
+    q-ranked trees need not reach: where the drafter recorded its kept trees, measure prices those
+    (``tree_predictions(…, shapes=…)``) and this tree only sizes the step."""
     mcfg = apply_profile(cfg, profile)
     return build_tree(mcfg.tree, from_config(mcfg.method.acceptance),
                       CostModel.from_config(mcfg, to_measured_cost(profile), draft_levels(cfg, profile)))

@@ -460,6 +460,25 @@ def test_dynamic_tree_is_priced_as_the_best_static_tree_of_its_budget(run_config
     assert 1 < taus[0] < taus[1]
 
 
+def test_dynamic_tree_with_recorded_shapes_is_priced_as_those_trees(run_config):
+    """The kept trees a dynamic drafter recorded replace the static DP tree's τ (not its step): a drafter
+    that kept only wide shallow trees is priced below the static tree of the same budget."""
+    from methods.measurement.profiles import dynamic_tree_for
+    from specsim.tree import Tree
+
+    cfg = run_config("method=eagle2", "tree=dynamic", "tree.total_tokens=3", "tree.depth=3", "tree.top_k=3")
+    prof = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.8, 0.1, 0.05, 0.05))
+    tree = dynamic_tree_for(cfg, prof)
+    static_here, static_preset = tree_predictions(cfg, prof, tree)
+    wide = Tree.from_paths([[0], [1], [2]])
+    here, preset = tree_predictions(cfg, prof, tree, {wide: 1})
+    assert here["predicted_tau"] == pytest.approx(1 + 0.8 + 0.1 + 0.05) == preset["predicted_tau"]
+    assert here["predicted_tau"] < static_here["predicted_tau"]
+    assert here["t_step_s"] == static_here["t_step_s"] and preset["t_step_s"] == static_preset["t_step_s"]
+    ratio = here["predicted_tau"] / static_here["predicted_tau"]
+    assert here["predicted_speedup"] == pytest.approx(static_here["predicted_speedup"] * ratio)
+
+
 def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
     """Lookahead's acceptance is the loop's (a draft stopped short is a rejection at that depth), so its
     profile's key differs from one measured on star trees; Draft & Verify's early exit is priced by its

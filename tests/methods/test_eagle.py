@@ -4,6 +4,7 @@ stay greedy-exact, training lowers the loss, checkpoints round-trip in the publi
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -83,18 +84,21 @@ def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, param
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (15,), generator=g)
     ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
-    sizes = []
+    sizes, trees = [], []
     real = drafter.propose
 
     def spy(ctx):
         d = real(ctx)
         sizes.append((d.tree.size, d.tree.depth))
+        trees.append(d.tree)
         return d
 
     drafter.propose = spy
     for v in (Verifier.greedy, Verifier.deterministic):
         assert decode(engine, drafter, prompt, DecodeOptions(v, GREEDY, 30), g).token_ids == ref
     assert all(n <= 13 and d <= 4 for n, d in sizes) and max(n for n, _ in sizes) == 13
+    # every dynamic tree it proposed (not the root-only drafts) is recorded for the simulator's pricing
+    assert drafter.shapes == Counter(t for t in trees if t.size > 1) and sum(drafter.shapes.values()) > 1
 
 
 def test_dynamic_tree_refuses_sampling_verifiers(tiny_models):
