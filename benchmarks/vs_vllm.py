@@ -75,10 +75,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile (faster start)")
     ap.add_argument("--iomp", choices=["on", "off"], default="on",
                     help="preload Intel OpenMP (the venv's libiomp5.so) into vLLM's engine processes")
-    ap.add_argument("--vllm-eagle3-layers", type=int, nargs=3, default=[0, 2, 4],
-                    help="the EAGLE-3 head vLLM runs fuses these (0-based) target layers: vLLM taps layers "
-                    "before the final norm, so a head on the top layer (our preset's) cannot be exported "
-                    "exactly")
+    ap.add_argument("--vllm-eagle3-layers", type=int, nargs=3, default=None,
+                    help="the EAGLE-3 head vLLM runs fuses these (0-based) target layers (default: the "
+                    "method=eagle3 preset's, whatever head it resolves to). vLLM taps layers before the "
+                    "final norm, so a head on the top layer cannot be exported exactly (the run warns); "
+                    "e.g. 0 2 4 with --eagle train trains an exact one")
     add_race_arguments(ap)
     return ap.parse_args(argv)
 
@@ -155,10 +156,11 @@ def eagle_heads(args) -> dict:
 
     if args.eagle == "off":
         return {}
-    layers = "[" + ",".join(map(str, args.vllm_eagle3_layers)) + "]"
     base = base_overrides(args)
-    configs = {"eagle": compose(*base, "method=eagle"),
-               "eagle3": compose(*base, "method=eagle3", f"method.params.feature_layers={layers}")}
+    eagle3 = ("method=eagle3",)
+    if args.vllm_eagle3_layers:
+        eagle3 += ("method.params.feature_layers=[" + ",".join(map(str, args.vllm_eagle3_layers)) + "]",)
+    configs = {"eagle": compose(*base, "method=eagle"), "eagle3": compose(*base, *eagle3)}
     out = {}
     for name, cfg in configs.items():
         got = eagle_for_vllm(cfg, train=args.eagle == "train")
