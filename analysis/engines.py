@@ -67,7 +67,7 @@ def engines_figure(df: pd.DataFrame, x: str = "method", metrics: Sequence[str] =
     colors = dict(zip(engines, sns.color_palette(n_colors=len(engines))))
     width = 0.8 / len(engines)
     with sns.axes_style(STYLE):
-        panel = 1.5 + 1.4 * len(groups) * len(engines) ** 0.5
+        panel = max(3.4, 1.5 + 1.4 * len(groups) * len(engines) ** 0.5)
         fig = Figure(figsize=(panel * len(metrics), 3.8), layout="constrained")
         axes = fig.subplots(1, len(metrics), squeeze=False)[0]
         for ax, metric in zip(axes, metrics):
@@ -90,11 +90,12 @@ def engines_figure(df: pd.DataFrame, x: str = "method", metrics: Sequence[str] =
 
 
 def _title(table: pd.DataFrame, metric: str, engines: list[str]) -> str:
-    """``metric``: each engine's mean |relative error| of the prediction (engines without one left out)."""
+    """``metric`` and, a line each, every engine's mean |relative error| of the prediction (engines without a
+    prediction left out)."""
     mape = table.groupby("engine")[f"{metric}_rel_error"].apply(lambda s: s.abs().mean())
-    parts = [f"{e} {mape[e]:.1%}" for e in engines if pd.notna(mape.get(e))]
+    parts = [f"{e}: {mape[e]:.1%} off" for e in engines if pd.notna(mape.get(e))]
     name = "τ" if metric == "tau" else metric
-    return f"{name}: |pred. error| " + ", ".join(parts) if parts else name
+    return "\n".join([name, *parts])
 
 
 def main(argv: list[str] | None = None) -> int:
