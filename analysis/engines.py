@@ -48,8 +48,9 @@ def engine_table(df: pd.DataFrame) -> pd.DataFrame:
     measured = pd.to_numeric(runs["tau"], errors="coerce").notna() if "tau" in runs.columns else False
     runs = runs[measured] if "tau" in runs.columns else runs[:0]
     err = prediction_error(runs).assign(engine=engine_of(runs))
-    if "batch_size" not in err.columns:
-        err["batch_size"] = err.get("workload.batch_size", 1)
+    config_batch = err["workload.batch_size"] if "workload.batch_size" in err.columns else 1
+    measured = err["batch_size"] if "batch_size" in err.columns else pd.Series(np.nan, index=err.index)
+    err["batch_size"] = measured.fillna(config_batch)
     cols = [c for c in TABLE_COLUMNS if c in err.columns]
     return err[cols].sort_values(["method", "engine"], kind="stable").reset_index(drop=True)
 

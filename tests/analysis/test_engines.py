@@ -22,8 +22,8 @@ def _sweep(root, methods=("vanilla",)):
             metrics.update({"engine.name": engine, "tokens_per_s": metrics["tokens_per_s"] * measured,
                             "speedup": metrics["speedup"] * measured,
                             "predicted_speedup": metrics["predicted_speedup"] * predicted})
-            if engine == "vllm":
-                metrics["engine"] = "vllm"  # vllm_measure writes it; specsim's loop does not
+            if engine == "vllm":  # vllm_measure writes these; specsim's one-sequence loop does not
+                metrics.update(engine="vllm", batch_size=1)
             overrides = [f"engine={engine}", f"method={method}"]
             write_run(root / ",".join(overrides), cfg, {"engine": engine, "method": method}, overrides,
                       metrics)
@@ -50,6 +50,7 @@ def test_engine_table_has_each_engines_error(two_by_two):
     df = two_by_two
     table = engine_table(df)
     assert list(table["engine"]) == ["specsim", "vllm", "specsim", "vllm"]  # by method, then engine
+    assert (table["batch_size"] == 1).all()  # vLLM's metrics say it; specsim's come from the config
     row = table.iloc[1]
     want = (row["predicted_speedup"] - row["speedup"]) / row["speedup"]
     assert row["speedup_rel_error"] == pytest.approx(want)
