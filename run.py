@@ -194,7 +194,12 @@ def _check_engine(cfg: RunConfig) -> None:
     """engine=vllm measures the methods vLLM implements; specsim's own loop decodes batches with the drafters
     that batch (methods.drafters.registry.BATCHABLE)."""
     if cfg.engine.name == "vllm":
-        from methods.measurement.vllm_engine import CHAIN_OF_DEPTH, VLLM_METHODS  # no vLLM import
+        from methods.measurement.vllm_engine import (  # no vLLM import
+            CHAIN_OF_DEPTH,
+            INSTALL_HINT,
+            VLLM_METHODS,
+            available,
+        )
 
         if cfg.task != Task.measure:
             raise ConfigError(f"engine.name: engine=vllm runs task=measure only, not task={cfg.task.value}")
@@ -207,6 +212,9 @@ def _check_engine(cfg: RunConfig) -> None:
         if chain_only and TreeKind(cfg.tree.kind) != TreeKind.chain:
             raise ConfigError(f"tree.kind: vLLM speculates with chains; engine=vllm needs tree=chain (the "
                               f"chain's tree.gamma is its num_speculative_tokens), got tree={cfg.tree.name}")
+        if not available():  # before the zoo, heads and profiles are built: a sweep's vllm job fails here
+            raise ConfigError(f"engine.name: engine=vllm needs vLLM importable by this Python "
+                              f"({sys.executable}). {INSTALL_HINT}")
     elif cfg.workload.batch_size > 1:
         from methods.drafters.registry import BATCHABLE  # a plain table: no drafter is imported
 

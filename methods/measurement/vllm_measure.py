@@ -157,6 +157,11 @@ def measure_vllm(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     prompts = load_prompts(w, tokenizer, cfg.seed)
     tree = vllm_tree(cfg)
     plan = plan_for(cfg.method.drafter, tree.depth, ck.draft_dir, dict(cfg.method.params))
+    # specsim's profile (acceptance, t(n) ratios) first: calibrated, where not cached, before vLLM's
+    # processes start (they would share the cores with the timing, and vLLM resets torch's thread count)
+    profile = None
+    if cfg.method.drafter != "autoregressive":
+        profile = ensure_profile(profile_config(cfg), None, show_progress=show_progress)
     e = cfg.engine
     settings = VllmSettings(dtype=cfg.model.dtype, kv_cache_gib=e.kv_cache_gib,
                             memory_fraction=e.memory_fraction, enforce_eager=e.enforce_eager, seed=cfg.seed)
@@ -170,7 +175,7 @@ def measure_vllm(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     plain.generate(ids[:1], 8)  # warm-up: first calls allocate and compile
     method.generate(ids[:1], 8)
     calib = calibrate(cfg, tokenizer, (plain, method)) if plan.method else {}
-    return _interleaved(cfg, prompts, (plain, method), tree, calib, show_progress)
+    return _interleaved(cfg, prompts, (plain, method), tree, calib, profile, show_progress)
 
 
 def vllm_tree(cfg: RunConfig) -> Tree:
@@ -208,8 +213,8 @@ def _batches(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _interleaved(cfg: RunConfig, prompts, engines, tree: Tree, calib: dict, show_progress: bool
-                 ) -> RunResult:
+def _interleaved(cfg: RunConfig, prompts, engines, tree: Tree, calib: dict, profile: Profile | None,
+                 show_progress: bool) -> RunResult:
     plain, method = engines
     w = cfg.workload
     ids = [p.token_ids for p in prompts]
@@ -225,11 +230,12 @@ def _interleaved(cfg: RunConfig, prompts, engines, tree: Tree, calib: dict, show
         if show_progress:
             print(f"vllm batch: plain {ref.tokens_per_s:.0f} tok/s, {cfg.method.name} {res.tokens_per_s:.0f}",
                   flush=True)
-    return RunResult(_metrics(cfg, base, spec, samples, tree, calib), samples)
+    metrics = _metrics(cfg, base, spec, samples, tree, calib, profile)
+    return RunResult({**metrics, "vllm_device": plain.device}, samples)
 
 
 def _metrics(cfg: RunConfig, base: list[Generation], spec: list[Generation], samples: list[dict],
-             tree: Tree, calib: dict) -> dict[str, Any]:
+             tree: Tree, calib: dict, profile: Profile | None) -> dict[str, Any]:
     w = cfg.workload
     total = Counters()
     for g in spec:
@@ -254,9 +260,7 @@ def _metrics(cfg: RunConfig, base: list[Generation], spec: list[Generation], sam
         "lossless": cfg.method.lossless,
         "dtype": cfg.model.dtype,
     }
-    if cfg.method.drafter != "autoregressive":
-        pcfg = profile_config(cfg)
-        profile = ensure_profile(pcfg, None, show_progress=False)  # acceptance + t(n) ratios from specsim
+    if profile is not None:  # specsim's acceptance and t(n) ratios, priced with vLLM's steps
         per_token = cfg.method.draft_steps == "depth"
         mine = engine_profile(profile, calib, tree.depth, per_token)
         name = f"{profile.key or cfg.method.name}-g{tree.depth}-b{w.batch_size}-{cfg.model.dtype}.json"

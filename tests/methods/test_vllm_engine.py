@@ -108,3 +108,77 @@ def test_benchmark_without_vllm_says_how_to_install_and_exits_cleanly():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert INSTALL_HINT in proc.stdout and '"vllm": "not installed"' in proc.stdout
+
+
+@pytest.mark.skipif(available(), reason="checks the config-time error where vLLM is absent")
+def test_engine_vllm_without_vllm_fails_at_config_time_with_the_install_hint(run_module, run_config):
+    """A sweep over engine=specsim,vllm in a venv without vLLM: the vllm job stops before any work, saying
+    which Python lacks it and how to get one that has it."""
+    cfg = run_config("task=measure", "engine=vllm", "method=vanilla", "model=micro")
+    with pytest.raises(run_module.ConfigError, match=r"engine.name: engine=vllm needs vLLM .*\.venv-vllm"):
+        run_module.check_runnable(cfg)
+    run_module.check_runnable(run_config("task=measure", "engine=specsim", "method=vanilla", "model=micro"))
+
+
+def test_benchmark_report_prints_the_table_and_one_json_line_with_ratios_at_batch_1_and_16(capsys):
+    """vs_vllm's report on made-up paths: a row per path and batch, then one JSON object whose ratios
+    compare the engines at both batch sizes (the goal at batch 1; at 16 vLLM's plain path may be its best)."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.vs_vllm import Path_, report
+
+    def path(name, engine, batch, tok_s, outputs, drafts=0, accepted=0, steps=0):
+        n = sum(map(len, outputs))
+        return Path_(name, engine, batch, [n / tok_s], n, outputs, drafts, accepted, steps)
+
+    same, other = [[1, 2, 3]] * 2, [[1, 2, 3], [9, 9, 9]]
+    results = [path("vllm plain", "vllm", 1, 200, same), path("vllm draft_model", "vllm", 1, 400, same, 2, 4),
+               path("specsim autoregressive", "specsim", 1, 220, other, steps=6),
+               path("specsim best: staged", "specsim", 1, 560, other, steps=2),
+               path("vllm plain", "vllm", 16, 2000, same),
+               path("vllm draft_model", "vllm", 16, 1800, same, 2, 4),
+               path("specsim batched autoregressive", "specsim", 16, 1000, same, steps=6),
+               path("specsim batched vanilla", "specsim", 16, 1500, same, steps=4)]
+    args = SimpleNamespace(workload="code", dtype="float32", gamma=4, max_new=3, num_prompts=2,
+                           batch_sizes=[1, 16])
+    report(results, [], args, None)
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert sum(line.startswith(("vllm ", "specsim ")) for line in lines) == len(results)
+    assert out["best_specsim_vs_best_vllm_spec_b1"] == pytest.approx(560 / 400, abs=1e-3)
+    assert out["goal_met"] is False
+    assert out["engines_plain_equal_rate"] == 0.5  # one of the two prompts differs
+    assert out["best_specsim_b16"] == "specsim batched vanilla"
+    assert out["best_vllm_spec_b16"] == "vllm draft_model"
+    assert out["best_specsim_vs_best_vllm_spec_b16"] == pytest.approx(1500 / 1800, abs=1e-3)
+    assert out["best_specsim_vs_best_vllm_b16"] == pytest.approx(1500 / 2000, abs=1e-3)  # vLLM's best: plain
+    assert out["specsim_plain_vs_vllm_plain_b16"] == pytest.approx(0.5)
+    assert out["vllm draft_model b1"]["tau"] == 3.0 and out["specsim batched vanilla b16"]["tau"] == 1.5
+    assert out["specsim best: staged b1"]["equal_to_plain"] == 1.0  # against specsim's own plain output
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not (available() and _cuda()), reason="needs vLLM (a CUDA build) and a CUDA device")
+def test_engine_vllm_measures_on_the_gpu(cli, tmp_path):
+    """The same command as on CPU, on a GPU machine with vLLM installed: vLLM decodes on CUDA and the run
+    writes the measurement beside the prediction (specsim's profile calibrated on the same device)."""
+    import json
+
+    run_dir = tmp_path / "run"
+    proc = cli(["engine=vllm", "method=prompt_lookup", "model=micro", "workload.num_prompts=4",
+                "workload.max_new_tokens=32", "workload.batch_size=2", f"hydra.run.dir={run_dir}"],
+               cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["engine"] == "vllm" and m["vllm_device"] == "cuda"
+    assert m["tau"] >= 1.0 and m["n_drafts"] > 0 and m["tokens_per_s"] > 0
+    assert m["predicted_tau"] >= 1.0 and m["predicted_speedup"] > 0
+    assert m["greedy_equal_rate"] >= 0.5  # bf16 near-ties may flip a few prompts; most decode identically
