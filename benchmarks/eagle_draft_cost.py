@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from methods.core.drafter import DraftContext  # noqa: E402
 from methods.core.engine import ModelEngine  # noqa: E402
 from methods.core.sampling import SamplingParams  # noqa: E402
+from methods.core.timing import median_seconds  # noqa: E402
 from methods.data.workloads import load_prompts  # noqa: E402
 from methods.drafters.eagle import Dynamic, EagleDrafter  # noqa: E402
 from methods.drafters.registry import build_drafter  # noqa: E402
@@ -47,13 +48,7 @@ def weights(target) -> dict[str, int]:
 
 def clock(fn, reps: int) -> float:
     """Median thread CPU seconds of fn() over reps calls (one warm-up)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t = time.thread_time()
-        fn()
-        out.append(time.thread_time() - t)
-    return statistics.median(out)
+    return median_seconds(fn, reps, warmup=1, clock=time.thread_time)
 
 
 @torch.inference_mode()  # as the decode loop runs (the head's cache holds inference tensors)

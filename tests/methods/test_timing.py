@@ -15,6 +15,7 @@ from methods.core.timing import (
     forward_round,
     forward_times,
     interleaved,
+    median_seconds,
     relative_iqr,
     star_inputs,
     verify_times,
@@ -128,3 +129,10 @@ def test_relative_iqr_and_the_scatter_bound():
     why = scatter_reason({**quiet, "t(8)/t1": MAX_TIMING_DISPERSION + 0.01})
     assert "t(8)/t1 26%" in why and "draft" not in why
     assert scatter_reason(quiet, bound=0.01) != ""
+
+
+def test_median_seconds_reads_the_clock_it_is_given_after_the_warmup():
+    ticks = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # three timed calls: 5, 1, 3 s
+    calls = []
+    got = median_seconds(lambda: calls.append(1), reps=3, warmup=2, clock=lambda: next(ticks))
+    assert got == 3.0 and len(calls) == 5
