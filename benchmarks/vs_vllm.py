@@ -134,6 +134,9 @@ def load(cfg, ck):
 
 
 # ---- vLLM's side ------------------------------------------------------------------------------------------
+FAILED: dict[str, str] = {}  # vLLM path → why its engine did not start (reported in the table and the JSON)
+
+
 def vllm_engines(args, ck) -> dict:
     """vLLM's paths: plain, draft model, n-gram, and EAGLE-1 / EAGLE-3 where trained heads exist (exported in
     vLLM's layout; --eagle train trains them)."""
@@ -147,7 +150,15 @@ def vllm_engines(args, ck) -> dict:
         plans["vllm draft_model"] = plan_for("draft_model", args.gamma, ck.draft_dir)
     for name, head_dir in eagle_heads(args).items():
         plans[f"vllm {name}"] = plan_for(name, args.gamma, str(head_dir))
-    return {name: VllmEngine(ck.target_dir, plan, settings) for name, plan in plans.items()}
+    engines = {}
+    for name, plan in plans.items():
+        try:
+            engines[name] = VllmEngine(ck.target_dir, plan, settings)
+        except Exception as e:  # one path that vLLM cannot start must not cost the others their row
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            FAILED[name] = reason
+            print(f"{name}: FAILED to start ({reason}; vLLM's own log above says why)", flush=True)
+    return engines
 
 
 def eagle_heads(args) -> dict:
@@ -327,6 +338,10 @@ def report(results: list[Path_], race: list, args, preloaded: str | None) -> Non
         print(BATCH_LOOP_MISSING)
         out["specsim_batch16"] = BATCH_LOOP_MISSING
     out["race_calibration"] = {n: {"tokens_per_s": round(t, 1), "tau": round(tau, 3)} for n, t, tau in race}
+    for name, reason in FAILED.items():
+        print(f"{name:48s} FAILED to start: {reason}")
+    if FAILED:
+        out["vllm_failed"] = dict(FAILED)
     out.update(ratios(by, results))
     print(json.dumps(out))
 

@@ -182,3 +182,34 @@ def test_engine_vllm_measures_on_the_gpu(cli, tmp_path):
     assert m["tau"] >= 1.0 and m["n_drafts"] > 0 and m["tokens_per_s"] > 0
     assert m["predicted_tau"] >= 1.0 and m["predicted_speedup"] > 0
     assert m["greedy_equal_rate"] >= 0.5  # bf16 near-ties may flip a few prompts; most decode identically
+
+
+def test_benchmark_goes_on_when_one_vllm_path_fails_to_start(monkeypatch, capsys):
+    """An engine vLLM cannot start (its EAGLE-3 warm-up overflowed the stack on the zoo) leaves the other
+    paths running, and the table and the JSON line name it with the reason."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks import vs_vllm
+    from methods.measurement import vllm_engine
+
+    started = []
+
+    class Fake:  # the second engine (vLLM's n-gram path, after plain) fails to start
+        def __init__(self, target_dir, plan, settings):
+            started.append(plan)
+            if len(started) == 2:
+                raise RuntimeError("Engine core initialization failed. See root cause above.\nmore")
+
+    monkeypatch.setattr(vllm_engine, "VllmEngine", Fake)
+    monkeypatch.setattr(vs_vllm, "FAILED", {})
+    args = SimpleNamespace(dtype="float32", enforce_eager=True, gamma=4, ngram=3, eagle="off")
+    engines = vs_vllm.vllm_engines(args, SimpleNamespace(target_dir="t", draft_dir="d"))
+    assert sorted(engines) == ["vllm draft_model", "vllm plain"]
+    reason = "RuntimeError: Engine core initialization failed. See root cause above."
+    assert vs_vllm.FAILED == {"vllm ngram": reason} and len(started) == 3
+    run_args = SimpleNamespace(workload="code", dtype="float32", gamma=4, max_new=3, num_prompts=2, batch_sizes=[1])
+    vs_vllm.report([], [], run_args, None)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("vllm ngram") and "FAILED to start" in line for line in lines)
+    assert json.loads(lines[-1])["vllm_failed"] == vs_vllm.FAILED
