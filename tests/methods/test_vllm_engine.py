@@ -208,7 +208,8 @@ def test_benchmark_goes_on_when_one_vllm_path_fails_to_start(monkeypatch, capsys
     assert sorted(engines) == ["vllm draft_model", "vllm plain"]
     reason = "RuntimeError: Engine core initialization failed. See root cause above."
     assert vs_vllm.FAILED == {"vllm ngram": reason} and len(started) == 3
-    run_args = SimpleNamespace(workload="code", dtype="float32", gamma=4, max_new=3, num_prompts=2, batch_sizes=[1])
+    run_args = SimpleNamespace(workload="code", dtype="float32", gamma=4, max_new=3, num_prompts=2,
+                               batch_sizes=[1])
     vs_vllm.report([], [], run_args, None)
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("vllm ngram") and "FAILED to start" in line for line in lines)
