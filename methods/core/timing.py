@@ -115,6 +115,13 @@ def relative_iqr(values: Sequence[float]) -> float:
     return (q3 - q1) / med if med > 0 else float("inf")
 
 
+def ratio_clock() -> Callable[[], float]:
+    """The clock for a ratio of two CPU-bound pieces timed back to back: this thread's CPU time when torch
+    runs one thread (a shared machine's preemptions fall out of it), wall seconds when torch's own worker
+    threads do part of the work (thread CPU time would miss theirs)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def median_seconds(fn: Callable[[], object], reps: int, warmup: int = 0,
                    clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of ``fn()`` over ``reps`` calls, after ``warmup`` untimed calls: wall seconds by

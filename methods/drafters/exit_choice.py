@@ -32,6 +32,7 @@ import torch
 
 from methods.core.engine import ModelEngine
 from methods.core.fast_llama import SubLayers
+from methods.core.timing import ratio_clock
 from methods.zoo.greedy import greedy_extend
 from methods.zoo.identity import doc_key
 
@@ -69,7 +70,7 @@ def exit_table(model, tokenizer, gamma: int, cfg: ExitChoiceConfig = ExitChoiceC
     positions = sum(r.numel() for r in ref)
     agreement = [sum(int(a.sum()) for a in agree[e]) / positions for e in range(1, n_layers)] + [1.0]
     tau = {e: chain_tau(agree[e], gamma) for e in agree}
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    clock = ratio_clock()
     rho, verify = exit_timings(model, seqs[0], cfg.reps, gamma + 1, clock)
     ranked = choose_exit(agreement, {1: 1.0, gamma + 1: verify}, draft_cost=rho, gamma=gamma, tau=tau)
     return {"chosen": ranked[0]["exit_layer"], "ranked": ranked, "gamma": gamma,

@@ -31,7 +31,14 @@ from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode, verify_step
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, draw_without_replacement, probs
-from methods.core.timing import forward_round, forward_times, interleaved, star_inputs, verify_times
+from methods.core.timing import (
+    forward_round,
+    forward_times,
+    interleaved,
+    ratio_clock,
+    star_inputs,
+    verify_times,
+)
 from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
@@ -554,7 +561,7 @@ def shared_verify_ratio(run: _Run, context: torch.Tensor, clock: Callable[[], fl
     attach = getattr(run.drafter, "attach", None)
     if attach is None:
         return None
-    clock = clock or (time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    clock = clock or ratio_clock()
     attach(run.target)
     ratios = []
     for i in range(FORWARD_REPEAT + 1):

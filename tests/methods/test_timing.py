@@ -16,6 +16,7 @@ from methods.core.timing import (
     forward_times,
     interleaved,
     median_seconds,
+    ratio_clock,
     relative_iqr,
     star_inputs,
     verify_times,
@@ -136,3 +137,16 @@ def test_median_seconds_reads_the_clock_it_is_given_after_the_warmup():
     calls = []
     got = median_seconds(lambda: calls.append(1), reps=3, warmup=2, clock=lambda: next(ticks))
     assert got == 3.0 and len(calls) == 5
+
+
+def test_ratio_clock_is_thread_cpu_time_only_when_torch_runs_one_thread():
+    import time
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ratio_clock() is time.thread_time
+        torch.set_num_threads(2)
+        assert ratio_clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(before)
