@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"workload.max_new_tokens={args.max_new}")
     ck = checkpoints(cfg)
     started = time.perf_counter()
-    vllm = vllm_engines(args, ck)
+    vllm, failed = vllm_engines(args, ck)
     print(f"vLLM engines {list(vllm)} started in {time.perf_counter() - started:.0f} s "
           f"(LD_PRELOAD {preloaded or 'not set: vLLM preloads its libgomp'})", flush=True)
     torch.set_num_threads(1)  # vLLM's worker holds the other core (its default CPU binding)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Path_] = []
     for b in args.batch_sizes:
         results += run_batch(b, prompts, vllm, specsim if b == 1 else batch_paths(ctx, args, b), args.max_new)
-    report(results, race, args, preloaded)
+    report(results, race, args, preloaded, failed)
     return 0
 
 
@@ -134,12 +134,10 @@ def load(cfg, ck):
 
 
 # ---- vLLM's side ------------------------------------------------------------------------------------------
-FAILED: dict[str, str] = {}  # vLLM path → why its engine did not start (reported in the table and the JSON)
-
-
-def vllm_engines(args, ck) -> dict:
+def vllm_engines(args, ck) -> tuple[dict, dict[str, str]]:
     """vLLM's paths: plain, draft model, n-gram, and EAGLE-1 / EAGLE-3 where trained heads exist (exported in
-    vLLM's layout; --eagle train trains them)."""
+    vLLM's layout; --eagle train trains them). Returns the started engines and, per path that did not
+    start, why."""
     from methods.measurement.vllm_engine import VllmEngine, VllmSettings, plan_for
 
     # a quarter GiB of KV cache holds a batch of 16 on the zoo target many times over; five engines at once
@@ -150,15 +148,15 @@ def vllm_engines(args, ck) -> dict:
         plans["vllm draft_model"] = plan_for("draft_model", args.gamma, ck.draft_dir)
     for name, head_dir in eagle_heads(args).items():
         plans[f"vllm {name}"] = plan_for(name, args.gamma, str(head_dir))
-    engines = {}
+    engines, failed = {}, {}
     for name, plan in plans.items():
         try:
             engines[name] = VllmEngine(ck.target_dir, plan, settings)
         except Exception as e:  # one path that vLLM cannot start must not cost the others their row
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            FAILED[name] = reason
+            failed[name] = reason
             print(f"{name}: FAILED to start ({reason}; vLLM's own log above says why)", flush=True)
-    return engines
+    return engines, failed
 
 
 def eagle_heads(args) -> dict:
@@ -316,7 +314,8 @@ def equal_rate(a: Path_, b: Path_) -> float:
 
 
 # ---- report -----------------------------------------------------------------------------------------------
-def report(results: list[Path_], race: list, args, preloaded: str | None) -> None:
+def report(results: list[Path_], race: list, args, preloaded: str | None,
+           failed: dict[str, str] | None = None) -> None:
     by = {(p.name, p.batch): p for p in results}
     omp = "iomp5" if preloaded else "gomp"
     print(f"\nworkload={args.workload} dtype={args.dtype} γ={args.gamma} max_new={args.max_new} "
@@ -338,10 +337,10 @@ def report(results: list[Path_], race: list, args, preloaded: str | None) -> Non
         print(BATCH_LOOP_MISSING)
         out["specsim_batch16"] = BATCH_LOOP_MISSING
     out["race_calibration"] = {n: {"tokens_per_s": round(t, 1), "tau": round(tau, 3)} for n, t, tau in race}
-    for name, reason in FAILED.items():
+    for name, reason in (failed or {}).items():
         print(f"{name:48s} FAILED to start: {reason}")
-    if FAILED:
-        out["vllm_failed"] = dict(FAILED)
+    if failed:
+        out["vllm_failed"] = dict(failed)
     out.update(ratios(by, results))
     print(json.dumps(out))
 

@@ -202,15 +202,14 @@ def test_benchmark_goes_on_when_one_vllm_path_fails_to_start(monkeypatch, capsys
                 raise RuntimeError("Engine core initialization failed. See root cause above.\nmore")
 
     monkeypatch.setattr(vllm_engine, "VllmEngine", Fake)
-    monkeypatch.setattr(vs_vllm, "FAILED", {})
     args = SimpleNamespace(dtype="float32", enforce_eager=True, gamma=4, ngram=3, eagle="off")
-    engines = vs_vllm.vllm_engines(args, SimpleNamespace(target_dir="t", draft_dir="d"))
+    engines, failed = vs_vllm.vllm_engines(args, SimpleNamespace(target_dir="t", draft_dir="d"))
     assert sorted(engines) == ["vllm draft_model", "vllm plain"]
     reason = "RuntimeError: Engine core initialization failed. See root cause above."
-    assert vs_vllm.FAILED == {"vllm ngram": reason} and len(started) == 3
+    assert failed == {"vllm ngram": reason} and len(started) == 3
     run_args = SimpleNamespace(workload="code", dtype="float32", gamma=4, max_new=3, num_prompts=2,
                                batch_sizes=[1])
-    vs_vllm.report([], [], run_args, None)
+    vs_vllm.report([], [], run_args, None, failed)
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("vllm ngram") and "FAILED to start" in line for line in lines)
-    assert json.loads(lines[-1])["vllm_failed"] == vs_vllm.FAILED
+    assert json.loads(lines[-1])["vllm_failed"] == failed
