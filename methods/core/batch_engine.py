@@ -69,6 +69,10 @@ class _RowsLayer(DynamicLayer):
         return self.engine._width, 0
 
 
+def _host(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+
+
 class BatchEngine:
     """The KV caches of up to ``max_rows`` sequences on one model. All methods run under inference mode.
 
@@ -115,6 +119,7 @@ class BatchEngine:
         self.cache = Cache(layers=[_RowsLayer(self, i) for i in range(self.n_layers)])
         self._neg = torch.finfo(self.kv_dtype).min
         self._arange = self._indices(self.capacity)
+        self._host_arange = self._arange.cpu().numpy()
         self._tree_memo: dict[Tree, tuple[np.ndarray, np.ndarray]] = {}
         self.reset()
 
@@ -123,7 +128,6 @@ class BatchEngine:
         """No rows (buffers are kept)."""
         self.rows = 0
         self.lengths: list[int] = []
-        self._len = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.pending = 0
 
     def add(self, k: int = 1) -> int:
@@ -133,7 +137,6 @@ class BatchEngine:
         first = self.rows
         self.rows += k
         self.lengths += [0] * k
-        self._len[first : self.rows] = 0
         return first
 
     def remove(self, slot: int) -> None:
@@ -145,7 +148,6 @@ class BatchEngine:
             self.k[:, slot, :, :n] = self.k[:, last, :, :n]
             self.v[:, slot, :, :n] = self.v[:, last, :, :n]
             self.lengths[slot] = n
-            self._len[slot] = n
         self.lengths.pop()
         self.rows = last
 
@@ -168,6 +170,7 @@ class BatchEngine:
             setattr(self, name, new)
         self.capacity = cap
         self._arange = self._indices(cap)
+        self._host_arange = self._arange.cpu().numpy()
 
     def _indices(self, cap: int) -> torch.Tensor:
         """0..N: slots, rows and heads are all sliced from it."""
@@ -191,16 +194,16 @@ class BatchEngine:
         for b, x in enumerate(ids):
             tokens[b, : counts[b]] = x.view(-1).cpu()
         self._ensure(max(self.lengths[rows], default=0) + n)  # before slicing the depths from _arange
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]  # pads see all before
-        depths = self._arange[:n][None]
+        causal = np.tri(n, dtype=bool)[None]  # pads see all before
+        depths = self._host_arange[:n][None]
         out = self._run(tokens.to(self.device), causal, depths, rows, hidden,
                         last=torch.tensor([max(c - 1, 0) for c in counts], device=self.device))
         self._commit_counts(counts, rows)
         return out
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, hidden: bool = False
-                ) -> BatchOut:
+    def forward(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
+                hidden: bool = False) -> BatchOut:
         """ONE forward of n pending nodes on each of the B active rows: tokens (B, n) (node 0 = the row's
         root, whose parent is the committed prefix), anc (B or 1, n, n) bool ancestor-or-self, depths (B or
         1, n) long. Rows with fewer nodes pad with nodes that see only the prefix and themselves."""
@@ -208,13 +211,12 @@ class BatchEngine:
         return self.extend(tokens, anc, depths, hidden)
 
     @torch.inference_mode()
-    def extend(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, hidden: bool = False
-               ) -> BatchOut:
+    def extend(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
+               hidden: bool = False) -> BatchOut:
         """Append n more pending nodes to each active row, after its P pending ones (a draft tree grown
         level by level): anc (B or 1, n, P + n) bool, over the row's pending nodes then these; depths (B or 1,
         n): positions are lengths[b] + depth (the committed root is at depth -1)."""
-        return self._run(tokens.to(self.device), anc.to(self.device), depths.to(self.device),
-                         slice(0, self.rows), hidden)
+        return self._run(tokens.to(self.device), anc, depths, slice(0, self.rows), hidden)
 
     def forward_trees(self, tokens: torch.Tensor, trees: Sequence[Tree], hidden: bool = False) -> BatchOut:
         """``forward`` from one Tree per row (or one shared: a 1-element list); tokens (B, n), n ≥ the
@@ -222,12 +224,12 @@ class BatchEngine:
         n = tokens.shape[1]
         if len(trees) == 1 or all(t is trees[0] for t in trees):
             anc, depths = self._padded(trees[0], n)
-            return self.forward(tokens, torch.from_numpy(anc)[None], torch.from_numpy(depths)[None], hidden)
+            return self.forward(tokens, anc[None], depths[None], hidden)
         anc = np.zeros((len(trees), n, n), dtype=bool)
         depths = np.zeros((len(trees), n), dtype=np.int64)
         for b, tree in enumerate(trees):
             anc[b], depths[b] = self._padded(tree, n)
-        return self.forward(tokens, torch.from_numpy(anc), torch.from_numpy(depths), hidden)
+        return self.forward(tokens, anc, depths, hidden)
 
     def _padded(self, tree: Tree, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The tree's (n, n) ancestor-or-self mask and (n,) depths, padded to n nodes (padding: itself only,
@@ -246,20 +248,21 @@ class BatchEngine:
             hit = self._tree_memo[key] = (anc, depths)
         return hit
 
-    def _run(self, tokens: torch.Tensor, anc: torch.Tensor, depths: torch.Tensor, rows: slice, hidden: bool,
-             last: torch.Tensor | None = None) -> BatchOut:
+    def _run(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
+             rows: slice, hidden: bool, last: torch.Tensor | None = None) -> BatchOut:
         b, n = tokens.shape
         p0 = self.pending
-        lens = self._len[rows]  # (b,)
-        width = max(self.lengths[rows], default=0) + p0 + n
+        lens = np.asarray(self.lengths[rows], dtype=np.int64)  # (b,) host: indices and mask built in numpy
+        width = int(lens.max(initial=0)) + p0 + n
         self._ensure(width)
         self.check_fits(width)
         self._rows, self._width = rows, width
-        cols = lens[:, None] + p0 + self._arange[:n]  # (b, n) each row's slots
-        heads = self._arange[rows.start : rows.stop, None] * self.n_kv + self._arange[: self.n_kv]  # (b, Hkv)
-        self._write_flat = (heads[:, :, None] * self.capacity + cols[:, None]).reshape(-1)  # (b H_kv n,)
-        mask = self._mask(lens, anc, p0 + n, width)  # (b, 1, n, W)
-        position = lens[:, None] + depths  # (b, n)
+        cols = lens[:, None] + (p0 + self._host_arange[:n])  # (b, n) each row's slots
+        heads = self._host_arange[rows.start : rows.stop, None] * self.n_kv + self._host_arange[: self.n_kv]
+        self._write_flat = torch.from_numpy((heads[:, :, None] * self.capacity + cols[:, None]).reshape(-1)
+                                            ).to(self.device)  # (b H_kv n,)
+        mask = self._mask(lens, _host(anc), p0 + n, width)  # (b, 1, n, W)
+        position = torch.from_numpy(lens[:, None] + _host(depths)).to(self.device)  # (b, n)
         if self.fast is not None:
             x = self.fast.embed_tokens(tokens.reshape(-1))
             x = self.fast.layers_forward(x, position.reshape(-1), mask, self.cache.layers, rows=b)
@@ -274,18 +277,19 @@ class BatchEngine:
         logits = self.fast.logits(flat) if self.fast is not None else self.head(flat)
         return BatchOut(logits.float().view(b, h_out.shape[1], -1), h if hidden else None)
 
-    def _mask(self, lens: torch.Tensor, anc: torch.Tensor, p: int, width: int) -> torch.Tensor:
+    def _mask(self, lens: np.ndarray, anc: np.ndarray, p: int, width: int) -> torch.Tensor:
         """(b, 1, n, W) additive mask for n new nodes: column c of row b is its prefix (c < lens[b]: 0), its
-        pending node j = c - lens[b] < p (0 where anc[b, i, j], else -inf), or past them (-inf)."""
+        pending node j = c - lens[b] < p (0 where anc[b, i, j], else -inf), or past them (-inf). Built on the
+        host in numpy (a dozen small ops: a few µs each there against ~5-10 µs each as torch ops, which made
+        the bookkeeping a large share of the small draft model's forward at B = 16) and moved in one copy."""
         b, n = lens.shape[0], anc.shape[1]
-        rel = self._arange[:width][None] - lens[:, None]  # (b, W)
+        rel = self._host_arange[:width][None] - lens[:, None]  # (b, W)
         pending = (rel >= 0) & (rel < p)
-        idx = rel.clamp(0, p - 1)[:, None].expand(b, n, width)
-        tree = anc.expand(b, n, p).gather(2, idx) & pending[:, None]  # (b, n, W)
+        idx = np.broadcast_to(rel.clip(0, p - 1)[:, None], (b, n, width))
+        tree = np.take_along_axis(np.broadcast_to(anc, (b, n, p)), idx, 2) & pending[:, None]  # (b, n, W)
         allowed = tree | (rel < 0)[:, None]
-        zero = torch.zeros((), dtype=self.kv_dtype, device=self.device)
-        return torch.where(allowed, zero, torch.full((), self._neg, dtype=self.kv_dtype,
-                                                      device=self.device))[:, None]
+        mask = np.where(allowed, np.float32(0), np.float32(self._neg))  # exact in float32 for bf16/fp16/fp32
+        return torch.from_numpy(mask[:, None]).to(self.device, self.kv_dtype)
 
     # ---- commit ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -298,7 +302,6 @@ class BatchEngine:
         assert all(0 <= c <= self.pending for c in counts), f"counts {counts} > pending {self.pending}"
         for b, c in zip(range(rows.start, rows.stop), counts):
             self.lengths[b] += c
-        self._len[rows] += torch.tensor(list(counts), device=self.device)
         self.pending = 0
 
     @torch.inference_mode()
