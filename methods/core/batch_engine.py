@@ -280,15 +280,17 @@ class BatchEngine:
     def _mask(self, lens: np.ndarray, anc: np.ndarray, p: int, width: int) -> torch.Tensor:
         """(b, 1, n, W) additive mask for n new nodes: column c of row b is its prefix (c < lens[b]: 0), its
         pending node j = c - lens[b] < p (0 where anc[b, i, j], else -inf), or past them (-inf). Built on the
-        host in numpy (a dozen small ops: a few µs each there against ~5-10 µs each as torch ops, which made
-        the bookkeeping a large share of the small draft model's forward at B = 16) and moved in one copy."""
+        host in numpy, filling only the columns past the shortest prefix, and moved in one copy: at B = 16
+        ~17-23 µs against ~45-68 µs for the same mask from a dozen torch ops (the small draft model's
+        forward, ~1 ms at B = 16, builds one per level)."""
         b, n = lens.shape[0], anc.shape[1]
-        rel = self._host_arange[:width][None] - lens[:, None]  # (b, W)
-        pending = (rel >= 0) & (rel < p)
-        idx = np.broadcast_to(rel.clip(0, p - 1)[:, None], (b, n, width))
-        tree = np.take_along_axis(np.broadcast_to(anc, (b, n, p)), idx, 2) & pending[:, None]  # (b, n, W)
-        allowed = tree | (rel < 0)[:, None]
-        mask = np.where(allowed, np.float32(0), np.float32(self._neg))  # exact in float32 for bf16/fp16/fp32
+        ar = self._host_arange
+        lo = int(lens.min()) if b else 0  # columns < lo are every row's prefix: 0; only [lo, W) is computed
+        mask = np.zeros((b, n, width), dtype=np.float32)  # exact in float32 for bf16/fp16/fp32
+        neg = np.float32(self._neg)
+        mask[:, :, lo:] = np.where(ar[lo:width][None] - lens[:, None] >= p, neg, np.float32(0))[:, None]
+        cols = lens[:, None] + ar[:p]  # (b, p) the pending nodes' columns: their ancestor mask
+        mask[ar[:b, None, None], ar[None, :n, None], cols[:, None, :]] = np.where(anc, np.float32(0), neg)
         return torch.from_numpy(mask[:, None]).to(self.device, self.kv_dtype)
 
     # ---- commit ----------------------------------------------------------------------------------------
