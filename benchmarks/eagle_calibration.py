@@ -16,7 +16,7 @@ greedy continuation, so τ = 1 + the accepted nodes a tree keeps. Printed:
   the NLL of the target's greedy token under the head, depths 1..depth).
 
     python benchmarks/eagle_calibration.py method=eagle2 workload=code
-    python benchmarks/eagle_calibration.py --fit --temperatures 0.5 method=eagle2 workload=code
+    python benchmarks/eagle_calibration.py --temperatures 0.5 --fit method=eagle2 workload=code
 """
 
 from __future__ import annotations
