@@ -10,16 +10,20 @@ greedy continuation, so τ = 1 + the accepted nodes a tree keeps. Printed:
 - nodes kept per depth and τ at ``budget`` draft tokens: the static tree, the drafter's rerank (cumulative q),
   a rerank by cross-fitted calibrated acceptance (per depth × q-bin rates fitted on the other half of the
   prompts, made non-increasing along paths) and the oracle (every accepted candidate kept: the candidates'
-  ceiling).
+  ceiling);
+- with ``--temperatures`` / ``--fit``: the drafter's own expansion and rerank with q = softmax(z / T)
+  (method.params.confidence_temperature), T given or fitted on the calibration split (temperature scaling:
+  the NLL of the target's greedy token under the head, depths 1..depth).
 
     python benchmarks/eagle_calibration.py method=eagle2 workload=code
+    python benchmarks/eagle_calibration.py --temperatures 0.5 --fit method=eagle2 workload=code
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -165,11 +169,50 @@ def taus(pos: list[Position], depth: int, budget: int, k: int) -> dict[str, tupl
     return {k: (float(np.mean(v)), per_depth[k] / len(pos)) for k, v in res.items()}
 
 
+def greedy_ids(models, prompt, new: int) -> torch.Tensor:
+    ids = torch.tensor([prompt.token_ids])
+    return models.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=new, min_new_tokens=new, pad_token_id=0)[0]
+
+
+TEMPERATURES = np.geomspace(0.05, 2.0, 40)
+
+
+@torch.inference_mode()
+def fit_temperature(dyn: EagleDrafter, models, prompts, new: int, depth: int) -> tuple[float, list[float]]:
+    """The T minimising the NLL of the target's greedy token under softmax(z / T) of the head, at depths
+    1..``depth`` along the target's own continuations of ``prompts`` (the head fed the true path, training-
+    time-test rollout): temperature scaling (Guo et al. 2017) on held-out prompts. Returns (T pooled over
+    depths, T per depth)."""
+    from methods.heads.eagle.train import rollout
+
+    head, layers = dyn.head, dyn.feature_layers
+    nll = np.zeros((depth, len(TEMPERATURES)))
+    temps = torch.tensor(TEMPERATURES, dtype=torch.float32)[:, None, None]
+    for pr in prompts:
+        ids = greedy_ids(models, pr, new)
+        f = trainer.target_features(models.target, ids[None], tuple(layers), desc="features")
+        src = (f.layers if layers else f.hidden)[:, :-1]
+        w = head.fc.weight
+        outs = rollout(head, head.fuse(src.to(w.device, w.dtype)), ids[None, 1:], depth - 1)
+        rows = torch.arange(len(pr.token_ids) - 2, ids.numel() - 2)  # row i: q of the token at i + 2
+        truth = ids[rows + 2]
+        for s, g in enumerate(outs):
+            z = head.logits(g[0, rows]).float()  # (n, V)
+            logq = (z[None] / temps).log_softmax(-1)  # (T, n, V)
+            nll[s] -= logq[:, torch.arange(rows.numel()), truth].sum(-1).numpy()
+    return float(TEMPERATURES[nll.sum(0).argmin()]), [float(TEMPERATURES[j]) for j in nll.argmin(1)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=14, help="draft tokens kept (the ladder's k=2, depth 3)")
     ap.add_argument("--k", type=int, default=2, help="the static k-ary tree's branching")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--temperatures", type=float, nargs="*", default=[],
+                    help="also rerank with q = softmax(z / T) (method.params.confidence_temperature)")
+    ap.add_argument("--fit", action="store_true", help="fit T on the calibration split (temperature scaling "
+                    "of the head's q against the target's greedy token) and rerank with it too")
     ap.add_argument("overrides", nargs="*", help="run.py overrides (method=eagle2|eagle3, workload=...)")
     args = ap.parse_args(argv)
     import run
@@ -180,24 +223,34 @@ def main(argv: list[str] | None = None) -> int:
     models = load_models(cfg.model, "cpu", "float32")
     greedy = SamplingParams(temperature=0.0)
     dyn = build_drafter(cfg.method, None, models, greedy, tree_cfg=cfg.tree)
-    dyn.dynamic = Dynamic(10**6, depth, top_k)  # keep every candidate: the rerank happens here
     static = EagleDrafter(dyn.head, Tree.kary(args.k, depth), greedy)
     layers = dyn.feature_layers
-    pos: list[Position] = []
-    top_p: list[float] = []
+    temps = list(args.temperatures)
+    if args.fit:
+        cal = cfg.calibration
+        calib = replace(cfg.workload, split="calibration", num_prompts=cal.prompts)
+        pooled, per_depth = fit_temperature(dyn, models, load_prompts(calib, models.tokenizer, cfg.seed),
+                                            cfg.workload.max_new_tokens, depth)
+        print(f"temperature fitted on the calibration split ({cal.prompts} prompts): T = {pooled:.3f} "
+              f"(per depth: {' '.join(f'{t:.3f}' for t in per_depth)})")
+        temps.append(pooled)
     prompts = load_prompts(cfg.workload, models.tokenizer, cfg.seed)
-    for n, pr in enumerate(prompts):
-        ids = torch.tensor([pr.token_ids])
-        ids = models.target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=cfg.workload.max_new_tokens,
-                                     min_new_tokens=cfg.workload.max_new_tokens, pad_token_id=0)[0]
+    inputs, top_p = [], []
+    for pr in prompts:
+        ids = greedy_ids(models, pr, cfg.workload.max_new_tokens)
         f = trainer.target_features(models.target, ids[None], tuple(layers), desc="features")
-        src = (f.layers if layers else f.hidden)[0]
         P = len(pr.token_ids)
         with torch.inference_mode():  # the target's own confidence at the roots x_{P-1} .. x_{L-depth-1}
             top_p += models.target.get_output_embeddings()(f.hidden[0, P - 1 : ids.numel() - depth]).float(
             ).softmax(-1).amax(-1).tolist()
-        pos += collect(dyn, static, ids, P, src, depth, n)
+        inputs.append((ids, P, (f.layers if layers else f.hidden)[0]))
+
+    def positions(temperature: float) -> list[Position]:
+        dyn.dynamic = Dynamic(10**6, depth, top_k, temperature)  # keep every candidate: reranked here
+        return [p for n, (ids, P, src) in enumerate(inputs)
+                for p in collect(dyn, static, ids, P, src, depth, n)]
+
+    pos = positions(1.0)
     print(f"{cfg.method.name} ({dyn.head.cfg.variant}) on {cfg.workload.name}: {len(prompts)} prompts, "
           f"{len(pos)} roots, candidates: top_k {top_k} per level, depth {depth}")
     top_q = [np.exp(p.logq[p.depth == 1].max()) for p in pos]
@@ -206,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
           f"accepted {np.mean(top_ok):.3f}")
     print("\n".join(reliability(pos, depth)))
     print(f"\nbudget {args.budget} draft tokens, depth {depth} (static: {args.k}-ary)")
-    print(f"{'tree':18} {'tau':>6}  nodes per depth")
+    print(f"{'tree':22} {'tau':>6}  nodes per depth")
     for name, (tau, nd) in taus(pos, depth, args.budget, args.k).items():
-        print(f"{name:18} {tau:6.3f}  {' '.join(f'{x:5.2f}' for x in nd)}")
+        print(f"{name:22} {tau:6.3f}  {' '.join(f'{x:5.2f}' for x in nd)}")
+    for t in temps:  # the drafter's own expansion and rerank with q at temperature T
+        tau, nd = taus(positions(t), depth, args.budget, args.k)["rerank q"]
+        print(f"{f'rerank q, T={t:.3f}':22} {tau:6.3f}  {' '.join(f'{x:5.2f}' for x in nd)}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

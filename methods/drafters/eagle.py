@@ -53,6 +53,10 @@ class EagleParams:
     # CPU: the head in the target's dtype with oneDNN-prepacked linears (methods.heads.eagle.head.pack);
     # false = float32, plain linears (the draft cost before packing, for comparison)
     pack: bool = True
+    # dynamic trees: q = softmax(z / T) in the cumulative confidence that expands and reranks nodes. 1 is
+    # EAGLE-2's own (the head's q); T < 1 sharpens an under-confident head's q (benchmarks/
+    # eagle_calibration.py fits T on the calibration split, measures its τ). Off by default: not the paper's.
+    confidence_temperature: float = 1.0
 
     def train_config(self, variant: str) -> EagleTrainConfig:
         extra = dict(self.train)
@@ -63,7 +67,11 @@ class EagleParams:
 
     @classmethod
     def from_method(cls, method: MethodConfig) -> EagleParams:
-        return cls(**checked_params(cls, method.params, "eagle", int_tuples=("feature_layers",)))
+        out = cls(**checked_params(cls, method.params, "eagle", int_tuples=("feature_layers",)))
+        if not out.confidence_temperature > 0:
+            raise ValueError(f"method.params.confidence_temperature must be > 0, got "
+                             f"{out.confidence_temperature}")
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class Dynamic:
     total_tokens: int
     depth: int
     top_k: int
+    temperature: float = 1.0  # of q in the cumulative confidence (EagleParams.confidence_temperature)
 
 
 class EagleDrafter:
@@ -109,7 +118,8 @@ class EagleDrafter:
             if verifier not in (Verifier.greedy, Verifier.deterministic):
                 raise ValueError(f"dynamic trees are deterministic top-k drafts: use verifier=deterministic "
                                  f"(or greedy), not {verifier.value}")
-            return cls(head, Dynamic(tree_cfg.total_tokens, tree_cfg.depth, tree_cfg.top_k), sampling)
+            return cls(head, Dynamic(tree_cfg.total_tokens, tree_cfg.depth, tree_cfg.top_k,
+                                     float(ep.confidence_temperature)), sampling)
         tree = tree if tree is not None else Tree.chain(5)
         if verifier == Verifier.chain and tree.width > 1:
             raise ValueError(f"verifier chain needs a chain tree, got {tree}: use specinfer or sequoia")
@@ -215,8 +225,8 @@ class EagleDrafter:
         """(parents, tokens, ranks, scores) of the best ``total_tokens`` drafted nodes, parents first (scores:
         cumulative log q, 0 for the root). Per level one head forward over the frontier, one top-k of its
         children, one top-k of the next frontier."""
-        K = self.dynamic.top_k
-        top = self.head.logits(self.cache.last).float().log_softmax(-1).topk(K)
+        K, T = self.dynamic.top_k, self.dynamic.temperature
+        top = self._log_q(self.cache.last, T).topk(K)
         ranks = torch.arange(K)
         tok, score, par, rank, dep = [top.indices], [top.values], [torch.full((K,), -1)], [ranks], [1] * K
         front = torch.arange(K)  # node ids of the frontier (drafted nodes numbered in creation order)
@@ -225,7 +235,7 @@ class EagleDrafter:
         for d in range(2, depth + 1):
             first = self.cache.pending  # the frontier's pending rows: first .. first + n - 1
             out = self.cache.feed(h, ftok.to(h.device), d - 1, prow)
-            top = self.head.logits(out).float().log_softmax(-1).topk(K)  # (n, K)
+            top = self._log_q(out, T).topk(K)  # (n, K)
             n = out.shape[0]
             cand = (fscore.to(top.values.device)[:, None] + top.values).flatten()  # cumulative log q
             tok.append(top.indices.flatten()), score.append(cand), par.append(front.repeat_interleave(K))
@@ -238,6 +248,10 @@ class EagleDrafter:
             count += n * K
         return _rerank(torch.cat(par).tolist(), torch.cat(tok).tolist(), torch.cat(rank).tolist(),
                        torch.cat(score).tolist(), dep, self.dynamic.total_tokens, root)
+
+    def _log_q(self, g: torch.Tensor, temperature: float) -> torch.Tensor:
+        z = self.head.logits(g).float()
+        return (z if temperature == 1.0 else z / temperature).log_softmax(-1)
 
 
 @dataclass(frozen=True)

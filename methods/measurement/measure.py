@@ -34,6 +34,7 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.batch_cost import load_batch_fit
 from methods.measurement.calibrate import ensure_profile
+from methods.measurement.dynamic_shapes import ensure_shapes, nodes_per_depth
 from methods.measurement.profiles import (
     apply_profile,
     dynamic_tree_for,
@@ -174,17 +175,20 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["drafter_updates"] = [dict(u, after_measured_request=u["after_request"] - cfg.warmup)
                                       for u in updates]
     tree = getattr(drafter, "tree", None) or tree  # a drafter may re-shape it (Medusa: budget, head count)
-    shapes = None  # a dynamic tree: the kept trees the drafter recorded, priced as such (else: upper bound)
+    shapes = in_run = None  # a dynamic tree: the kept trees recorded on the calibration split, priced as such
     if TreeKind(cfg.tree.kind) == TreeKind.dynamic and profile is not None:  # the step: its static DP tree
         tree = dynamic_tree_for(cfg, profile)
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
-        shapes = dict(getattr(drafter, "shapes", None) or {}) or None
-        metrics["dynamic_tree_pricing"] = "recorded" if shapes else "static_upper_bound"
-        if shapes:  # the kept trees' mean nodes per depth (the static tree's: its own shape)
-            n = sum(shapes.values())
-            metrics["dynamic_nodes_per_depth"] = [
-                sum(c * int((t.depths == d).sum()) for t, c in shapes.items()) / n
-                for d in range(1, max(t.depth for t in shapes) + 1)]
+        in_run = dict(getattr(drafter, "shapes", None) or {}) or None  # this run's own: a diagnostic only
+        if hasattr(drafter, "shapes"):  # a drafter recording its trees (EAGLE): price those it keeps on the
+            shapes, path = ensure_shapes(cfg, pcfg, models, show_progress=show_progress)  # calibration split
+            shapes = shapes or None
+            metrics["dynamic_shapes_path"] = str(path)
+        for key, kept in (("dynamic_nodes_per_depth_calibration", shapes),
+                          ("dynamic_nodes_per_depth", in_run)):  # mean kept nodes per depth
+            if kept:
+                metrics[key] = nodes_per_depth(kept)
+        metrics["dynamic_tree_pricing"] = "calibration_trees" if shapes else "static_upper_bound"
     if profile is None:  # autoregressive: nothing calibrated, the config's own model
         pred = simulate(cfg, tree=tree)
         predictions = {"predicted_tau": pred.predicted_tau, "predicted_speedup": pred.predicted_speedup,
@@ -201,6 +205,10 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             if shapes:  # the static DP tree's τ, for comparison (the former pricing, an upper bound)
                 static = tree_predictions(cfg, profile, tree)[0]
                 predictions["predicted_tau_static_tree"] = static["predicted_tau"]
+            if shapes and in_run:  # diagnostic: the τ of the trees this run kept (its own prompts' shapes,
+                # so not a held-out prediction: the former pricing)
+                own = tree_predictions(cfg, profile, tree, in_run)[0]
+                predictions["predicted_tau_in_run_trees"] = own["predicted_tau"]
         predictions.update(calibrated_costs(cfg, profile))
         by_depth = [list(v) for v in profile.acceptance_vectors_by_depth]
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),

@@ -483,8 +483,9 @@ def dynamic_tree_for(cfg: RunConfig, profile: Profile) -> Tree:
     within depth + 1 levels and top_k children (specsim.trees.build_tree) under this drafter's measured
     vectors; its τ is then taken under the measured per-depth vectors and its step under the measured t(n)
     and draft time. Its τ is an upper bound on a context-free tree of that size, which the drafter's
-    q-ranked trees need not reach: where the drafter recorded its kept trees, measure prices those
-    (``tree_predictions(…, shapes=…)``) and this tree only sizes the step."""
+    q-ranked trees need not reach: measure prices the trees the drafter keeps on the calibration split
+    (methods.measurement.dynamic_shapes; ``tree_predictions(…, shapes=…)``) and this tree only sizes the
+    step."""
     mcfg = apply_profile(cfg, profile)
     return build_tree(mcfg.tree, from_config(mcfg.method.acceptance),
                       CostModel.from_config(mcfg, to_measured_cost(profile), draft_levels(cfg, profile)))

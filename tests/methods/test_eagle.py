@@ -101,6 +101,38 @@ def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, param
     assert drafter.shapes == Counter(t for t in trees if t.size > 1) and sum(drafter.shapes.values()) > 1
 
 
+def test_confidence_temperature_one_is_eagle2_and_a_sharp_one_keeps_the_top1_chain(tiny_models):
+    """method.params.confidence_temperature: T = 1 builds EAGLE-2's own trees; as T -> 0 the cumulative
+    confidence of a path is ~0 only along q's top-1 children, so a budget of ``depth`` keeps that chain (the
+    static chain drafter's tokens); any T stays greedy-exact."""
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=20), g).token_ids
+    shapes = []
+    for t in (None, 1.0, 0.5):  # None: the preset's default
+        params = {} if t is None else {"confidence_temperature": t}
+        d = build_drafter(_method("eagle", **params), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
+        assert d.dynamic.temperature == (t or 1.0)
+        assert decode(engine, d, prompt, DecodeOptions(Verifier.greedy, GREEDY, 20), g).token_ids == ref
+        shapes.append(d.shapes)
+    assert shapes[0] == shapes[1]
+    head = _random_head(tiny_models.target)
+    chain = EagleDrafter(head, Tree.chain(3), GREEDY)
+    sharp = EagleDrafter(head, Dynamic(total_tokens=3, depth=3, top_k=3, temperature=1e-3), GREEDY)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    out = engine.prefill(seq[:-1], hidden=True)
+    drafts = []
+    for d in (chain, sharp):
+        d.reset(seq)
+        drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
+    assert drafts[1].tree.parents == (-1, 0, 1, 2) and drafts[1].tree.ranks == (0, 0, 0, 0)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    with pytest.raises(ValueError, match="confidence_temperature"):
+        build_drafter(_method("eagle", confidence_temperature=0.0), None, tiny_models, GREEDY,
+                      tree_cfg=DYNAMIC)
+
+
 def test_dynamic_tree_refuses_sampling_verifiers(tiny_models):
     with pytest.raises(ValueError, match="deterministic"):
         build_drafter(_method("eagle", Verifier.specinfer), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)

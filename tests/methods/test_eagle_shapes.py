@@ -1,0 +1,84 @@
+"""EAGLE-2's dynamic trees are priced from the trees its drafter keeps on the calibration split (recorded
+once, cached beside the profile), not from the run's own prompts (methods.measurement.dynamic_shapes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from methods.measurement import dynamic_shapes
+from methods.measurement.dynamic_shapes import ensure_shapes, from_json, nodes_per_depth, to_json
+from methods.measurement.profiles import profile_config
+from methods.models import load_models
+from specsim.io import read_json
+from specsim.tree import Tree
+
+SMALL = ("model=random_tiny", "method=eagle2", "method.params.head=random", "tree=dynamic",
+         "tree.total_tokens=5", "tree.depth=3", "tree.top_k=2", "workload.num_prompts=2",
+         "workload.prompt_tokens=24", "workload.max_new_tokens=10", "warmup=1", "calibration.prompts=2",
+         "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
+         "calibration.warmup=1", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cache, monkeypatch):
+    cfg = run_config("task=measure", *SMALL)
+    models = load_models(cfg.model, cfg.device, cfg.model.dtype)
+    splits = []
+    real = dynamic_shapes.load_prompts
+
+    def spy(w, tokenizer, seed):
+        splits.append((w.split, w.num_prompts, w.max_new_tokens))
+        return real(w, tokenizer, seed)
+
+    monkeypatch.setattr(dynamic_shapes, "load_prompts", spy)
+    shapes, path = ensure_shapes(cfg, profile_config(cfg), models, show_progress=False)
+    # the calibration prompts, as long as the workload's generations
+    assert splits == [("calibration", 2, 10)]
+    assert path.is_file() and path.parent == cache / "profiles"
+    assert shapes and all(t.size <= 6 and t.depth <= 3 and t.width <= 2 for t in shapes)
+    doc = read_json(path)
+    assert doc["steps"] == sum(shapes.values()) and doc["nodes_per_depth"] == nodes_per_depth(shapes)
+    assert sum(doc["nodes_per_depth"]) == pytest.approx(sum(c * (t.size - 1) for t, c in shapes.items())
+                                                        / sum(shapes.values()))
+
+    def fail(*a, **k):
+        raise AssertionError("recorded again")
+
+    monkeypatch.setattr(dynamic_shapes, "record_shapes", fail)
+    again, same = ensure_shapes(cfg, profile_config(cfg), models, show_progress=False)
+    assert again == shapes and same == path  # the cache, read back exactly
+    other = run_config("task=measure", *SMALL, "tree.total_tokens=4")  # another tree: another file
+    assert dynamic_shapes.shapes_path(profile_config(other), other.tree) != path
+    with pytest.raises(AssertionError, match="recorded again"):
+        ensure_shapes(other, profile_config(other), models, show_progress=False)
+
+
+def test_shapes_round_trip_with_ranks():
+    wide, deep = Tree.from_paths([[0], [1], [2]]), Tree.from_parents([-1, 0, 1, 0], [0, 0, 0, 1])
+    shapes = {wide: 3, deep: 1}
+    assert from_json(to_json(shapes)) == shapes
+    assert nodes_per_depth(shapes) == [(3 * 3 + 2) / 4, 1 / 4]
+
+
+@pytest.mark.slow
+def test_measure_prices_the_calibration_trees_and_reports_its_own(run_config, cache):
+    """predicted_tau is the calibration trees' mixture under the profile; the run's own kept trees are only
+    a diagnostic (predicted_tau_in_run_trees)."""
+    from methods.measurement.measure import measure
+    from methods.measurement.profiles import Profile, dynamic_tree_for, tree_predictions
+
+    cfg = run_config("task=measure", *SMALL)
+    m = measure(cfg, show_progress=False).metrics
+    assert m["greedy_equal_rate"] == 1.0
+    assert m["dynamic_tree_pricing"] == "calibration_trees"
+    shapes = from_json(read_json(m["dynamic_shapes_path"])["shapes"])
+    assert m["dynamic_nodes_per_depth_calibration"] == nodes_per_depth(shapes)
+    profile = Profile.from_json(read_json(m["profile_path"]))
+    here = tree_predictions(cfg, profile, dynamic_tree_for(cfg, profile), shapes)[0]
+    assert m["predicted_tau"] == pytest.approx(here["predicted_tau"])
+    assert m["predicted_tau_in_run_trees"] >= 1.0 and len(m["dynamic_nodes_per_depth"]) >= 1
