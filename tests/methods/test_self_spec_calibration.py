@@ -63,6 +63,11 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     assert here["predicted_tau"] <= 1 + here["predicted_mean_draft_length"]
     cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof, chain=True))  # chains
     assert here["predicted_speedup"] == pytest.approx(run.tau * cost.ar_time / run.step_time(cost))
+    n = cfg.workload.max_new_tokens  # the finite run is cut on the exit law, not on the chain of 4's
+    assert here["tokens_per_forward"] == pytest.approx(run.tokens_per_forward(n))
+    assert here["tokens_per_forward"] <= here["predicted_tau"]
+    assert here["predicted_decode_speedup"] == pytest.approx(run.decode_speedup(cost, n))
+    assert here["predicted_decode_speedup"] <= here["predicted_speedup"]
 
 
 def test_prediction_at_the_runs_own_costs():
