@@ -4,9 +4,11 @@ verify is timed and its saving replaces ρ_v = E / L; Draft & Verify's draft ste
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from methods.measurement.calibrate import _forwards_per_step, ensure_profile
+from methods.measurement.calibrate import _forwards_per_step, ensure_profile, missing_self_draft
 from methods.measurement.profiles import apply_profile, exit_prediction, to_measured_cost, tree_predictions
 from specsim.cost import CostModel
 from specsim.tree import Tree
@@ -54,6 +56,13 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     table = prof.extra["exit_confidence"]
     assert sum(table["mass"]) == pytest.approx(1.0) and table["positions"] == 2 * 6
     assert 1 <= prof.extra["loop_draft_forwards_per_step"] <= 4  # at most γ forwards per step
+    # the loop's verification overhead beside the forward the exit let run (1 + its mean draft length)
+    forward = prof.extra["loop_verify_forward_tokens"]
+    assert forward == max(1, min(5, round(1 + prof.extra["loop_mean_draft_length"])))
+    assert forward in prof.t_n and missing_self_draft(prof, cfg) == ""
+    longest = SimpleNamespace(extra={**prof.extra, "loop_verify_forward_tokens": 5,
+                                     "loop_mean_draft_length": 1.2})
+    assert "longest draft" in missing_self_draft(longest, cfg)  # profiles made before: measured again
     chain = Tree.chain(4)
     run = exit_prediction(cfg, prof, chain)
     here, preset = tree_predictions(cfg, prof, chain)
