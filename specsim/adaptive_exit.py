@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsim.cost import CostModel
+from specsim.expected import tokens_per_forward
 from specsim.tree import Tree
 
 
@@ -190,6 +191,24 @@ class RunPrediction:
     @property
     def draft_length(self) -> float:
         return float(np.mean([np.dot(law.drafted, np.arange(law.drafted.size)) for law in self.laws]))
+
+    @property
+    def tau_law(self) -> np.ndarray:
+        """(γ + 2,) pmf of τ = accepted drafts + 1 over the run's steps (a step drawn at random): the
+        mixture of the steps' laws. Its mean is :attr:`tau`."""
+        law = np.mean([law.joint.sum(0) for law in self.laws], axis=0)
+        return np.concatenate([[0.0], law])
+
+    def tokens_per_forward(self, n_tokens: int) -> float:
+        """Tokens per target forward of a generation of ``n_tokens``, the last step cut at the budget
+        (specsim.expected.tokens_per_forward under :attr:`tau_law`): the exit law's, not the full chain's,
+        whose τ law reaches γ + 1 tokens a step that the rule seldom drafts."""
+        return tokens_per_forward(self.tau_law, n_tokens)
+
+    def decode_speedup(self, cost: CostModel, n_tokens: int) -> float:
+        """The speedup of a generation of ``n_tokens`` (a measure run's decode_speedup): the tokens per
+        forward after the last step's cut, over the mean step."""
+        return self.tokens_per_forward(n_tokens) * cost.ar_time / self.step_time(cost)
 
     def step_time(self, cost: CostModel) -> float:
         """Mean seconds per step: the draft forwards at the cost model's draft step and the verify of the

@@ -175,9 +175,16 @@ def priced_tokens(cfg: RunConfig, tree: Tree) -> int:
 def loop_forward_tokens(cfg: RunConfig, run: _Run) -> int:
     """Tokens of the loop's verify forward, after the depth run: what the drafter counted itself
     (``run_stats()["verify_forward_tokens"]``, Lookahead: both branches, the trie as full as the pool was),
-    else the priced tree."""
-    mean = run.drafter.run_stats().get("verify_forward_tokens") if hasattr(run.drafter, "run_stats") else None
-    return max(run.tree.size, round(mean)) if mean else priced_tokens(cfg, run.tree)
+    the chain it drafted where its draft length adapts (Draft & Verify's exit: 1 + the mean draft length;
+    the loop's verification overhead is its verify time less t(this), and the longest chain's t(9) read it
+    0.03 t(1) where it is 0.16), else the priced tree."""
+    stats = run.drafter.run_stats() if hasattr(run.drafter, "run_stats") else {}
+    mean = stats.get("verify_forward_tokens")
+    if mean:
+        return max(run.tree.size, round(mean))
+    if stats.get("draft_steps") and "mean_draft_length" in stats:
+        return max(1, min(run.tree.size, round(1 + stats["mean_draft_length"])))
+    return priced_tokens(cfg, run.tree)
 
 
 def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -> ForwardOut:
@@ -895,6 +902,10 @@ def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
     if drafter == "draft_verify" and "exit_confidence" not in extra and (cfg.workload.temperature == 0
                                                                           or sampled):
         return "no draft-exit confidence table"  # greedy, or sampled drafts (the drafter's own rule)
+    drafted = extra.get("loop_mean_draft_length")
+    if drafter == "draft_verify" and drafted is not None and (
+            int(extra.get("loop_verify_forward_tokens") or 0) > round(1 + float(drafted))):
+        return "verification overhead taken beside the longest draft's forward, not the drafted one's"
     if drafter == "layerskip" and "shared_verify" not in extra:
         return "no timed shared-cache verify"
     if drafter == "specinfer" and "multi_draft" not in extra:

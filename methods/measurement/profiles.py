@@ -280,14 +280,47 @@ def to_measured_cost(profile: Profile, chain: bool = False) -> MeasuredCost:
     """This device's measured t(n), for specsim (``simulate(cfg, profile=...)``, ``CostModel.from_config``),
     priced as the decode loop pays it: t(1) — the simulator's t_AR — is the loop's own autoregressive step
     (``t_ar_s``: forward, next token, commit, bookkeeping, as the measured baseline); a tree of n > 1 nodes
-    costs its verify forward plus the loop's measured verification overhead (``verify_overhead_s``). The
-    draft time goes into the config: see :func:`apply_profile`. The verification overhead grows with the
-    tree (:func:`verify_growth_s`; ``chain``: priced for chains, whose verification is cheaper)."""
-    table = {n: t + (profile.verify_overhead_s + verify_growth_s(profile, n, chain) if n > 1 else 0.0)
-             for n, t in profile.t_n.items()}
+    costs its verify forward in the loop plus the verifier's walk from its logits (``chain``: priced for
+    chains, whose verification is cheaper). See :func:`loop_forward_excess`."""
+    excess = loop_forward_excess(profile)
+    table = {}
+    for n, t in profile.t_n.items():
+        if n <= 1:
+            table[n] = t
+        elif excess is None:  # profiles without the per-size walk: the loop's overhead, a constant
+            table[n] = t + profile.verify_overhead_s + verify_growth_s(profile, n, chain)
+        else:
+            table[n] = t * (1 + excess) + verify_walk_s(profile, n, chain)
     if profile.t_ar_s > 0:
         table[1] = profile.t_ar_s  # the autoregressive step's own verification is in it already
     return MeasuredCost.from_mapping(table)
+
+
+def loop_forward_excess(profile: Profile) -> float | None:
+    """What the decode loop's verify forward costs beyond the timed one, in proportion: (the loop's verify
+    time − t(f) − the verifier's walk v(0)) / t(f), f the loop's forward, all measured on the drafter's own
+    tree. t(n) is timed back to back (warm: right after a forward of the same size); in the loop the
+    drafter's work runs between two verify forwards and the forward pays for it (caches refilled) in
+    proportion to its size: 0.12–0.39 t(f) on the zoo where the walk and the commit take 0.02–0.05.
+    Priced as a constant, a 64-node Medusa tree's verification read 3–10% low on the quiet sweep and
+    SpecInfer's 61 nodes 9–20% (docs/validation.md). None without the per-size walk timings (older
+    profiles, vLLM's own engine): the constant overhead then."""
+    steps = profile.extra.get("verify_step_ratios") or {}
+    forward = profile.extra.get("loop_verify_forward_tokens")
+    if profile.verify_overhead_ratio <= 0 or "0" not in steps or not forward:
+        return None
+    t_f = profile.t_n_ratios.get(int(forward))
+    if not t_f:
+        return None
+    return max(0.0, (profile.verify_overhead_ratio - float(steps["0"])) / float(t_f))
+
+
+def verify_walk_s(profile: Profile, n: int, chain: bool = False) -> float:
+    """The verifier's walk from the logits of an n-node tree (``chain``: chain), timed per size in the
+    calibration's rounds; the loop's own tree's where n was not timed."""
+    steps = profile.extra.get("verify_step_ratios") or {}
+    shaped = (profile.extra.get("verify_chain_ratios") if chain else steps) or {}
+    return float(shaped.get(str(n), steps["0"])) * profile.t_ar_s
 
 
 def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
@@ -306,15 +339,18 @@ def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
 
 def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
     """Seconds of one draft level by its width w (the nodes fed to the draft model), for drafters filling
-    trees level by level with draft models: the level the loop measured on the drafter's chain (w = 1) plus
-    the timed growth of the draft forward and the children's choice with w, once per draft model (SpecInfer:
-    every member runs each level). A chain-measured level priced every level of a wide tree (Sequoia-32 at
-    T = 1: 0.83 ms priced, 1.29 ms measured per level). None when the calibration did not time it."""
+    trees level by level with draft models: the level the loop measured on the drafter's chain (w = 1)
+    scaled by the timed growth of the draft forward and the children's choice with w, r(w) / r(1) (every
+    draft model runs each level: SpecInfer's members alike). In proportion, as the loop's verify forward
+    (:func:`loop_forward_excess`): the loop's level costs more than the back-to-back timed one, 1.34× on the
+    zoo's draft model, and a wider level pays that on its larger forward. A chain-measured level priced
+    every level of a wide tree (Sequoia-32 at T = 1: 0.83 ms priced, 1.29 ms measured per level). None when
+    the calibration did not time it."""
     ratios = profile.extra.get("draft_level_ratios") or {}
     if "1" not in ratios or cfg.method.draft_steps != "depth" or profile.draft_time_s <= 0:
         return None
-    k, base = int(profile.extra.get("draft_models") or 1), float(ratios["1"])
-    table = {int(w): profile.draft_time_s + k * (float(r) - base) * profile.t_ar_s for w, r in ratios.items()}
+    base = float(ratios["1"])
+    table = {int(w): profile.draft_time_s * float(r) / base for w, r in ratios.items()}
     return MeasuredCost.from_mapping(table)
 
 
@@ -376,11 +412,16 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
                           cfg.warmup * w.max_new_tokens)
 
 
-def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel) -> dict[str, Any]:
+def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel, n_tokens: int
+                  ) -> dict[str, Any]:
     step, draft = run.step_time(cost), run.draft_time(cost)  # the breakdown of the exit law's step, not the
-    # full chain's (its t_draft_s read 8 draft forwards where the rule let 3.15 run)
+    # full chain's (its t_draft_s read 8 draft forwards where the rule let 3.15 run); likewise the finite
+    # run's cut: the chain's τ law (7.3 tokens per forward for a chain of 8) read a decode speedup 15% above
+    # the steady one where the cut can only lower it
     return {**base, "predicted_tau": run.tau, "predicted_speedup": run.speedup(cost), "t_step_s": step,
             "t_draft_s": draft, "t_verify_s": step - draft,
+            "tokens_per_forward": run.tokens_per_forward(n_tokens),
+            "predicted_decode_speedup": run.decode_speedup(cost, n_tokens),
             "predicted_draft_forwards_per_step": run.forwards,
             "predicted_mean_draft_length": run.draft_length,
             "predicted_exit_threshold_final": run.thresholds[-1]}
@@ -453,8 +494,9 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     preset = _summary(simulate(preset_cfg, tree=tree))
     exits = exit_prediction(cfg, profile, tree)
     if exits is not None:  # the adaptive exit drafts fewer than the chain: its law replaces the chain's τ
-        here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured))
-        preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg))
+        n = cfg.workload.max_new_tokens
+        here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured), n)
+        preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg), n)
     if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
         n = cfg.workload.max_new_tokens
         here, preset = _law_summary(here, multi[1], n), _law_summary(preset, multi[1], n)

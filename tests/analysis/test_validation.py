@@ -67,6 +67,16 @@ def test_rows_come_natural_trees_first_then_workloads_then_trees_then_temperatur
     assert vr.tree_overrides("sequoia32") == ["tree=sequoia", "tree.budgets=[32]"]
 
 
+def test_high_variance_methods_decode_more_test_prompts():
+    """SpecInfer's τ varies most per step: its rows decode more test prompts, unless the sweep sets them."""
+    for r in vr.rows(["specinfer", "vanilla"]):
+        prompts = [o for o in r.overrides if o.startswith("workload.num_prompts=")]
+        more = [f"workload.num_prompts={vr.PROMPTS['specinfer']}"]
+        assert prompts == (more if r.method == "specinfer" else [])
+    small = vr.rows(["specinfer"], extra=vr.SMALL)
+    assert all(sum(o.startswith("workload.num_prompts=") for o in r.overrides) == 1 for r in small)
+
+
 @pytest.mark.parametrize("row", vr.rows(temperatures=[0.0, 1.0])[::7], ids=lambda r: r.row_id)
 def test_rows_compose_and_validate(row):
     """Every row (a sample of them) is a valid config that run.py accepts before any work."""

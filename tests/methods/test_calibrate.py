@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from methods.measurement.profiles import (
     apply_profile,
     draft_levels,
     load_profile,
+    loop_forward_excess,
     measured_acceptance,
     prediction_metrics,
     profile_key,
@@ -144,8 +146,8 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
     levels = draft_levels(cfg, prof)
     assert levels.time(1) == pytest.approx(prof.draft_time_s)
-    growth = prof.extra["draft_level_ratios"]["8"] - prof.extra["draft_level_ratios"]["1"]
-    assert levels.time(8) == pytest.approx(prof.draft_time_s + growth * prof.t_ar_s)
+    growth = prof.extra["draft_level_ratios"]["8"] / prof.extra["draft_level_ratios"]["1"]
+    assert levels.time(8) == pytest.approx(prof.draft_time_s * growth)  # the loop's level, in proportion
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
@@ -236,6 +238,40 @@ def test_verification_overhead_grows_with_the_tree():
     assert wide.time(1) == pytest.approx(t1)
     no_loop = dataclasses.replace(prof, verify_overhead_ratio=0.0)  # vLLM: the loop's overhead not priced
     assert to_measured_cost(no_loop).time(64) == pytest.approx(prof.t_n[64])
+
+
+def test_loop_forward_excess_scales_with_the_tree():
+    """The loop's verification beyond its forward and the walk is priced in proportion to the forward
+    (the drafter's work between two verify forwards refills the caches): at the loop's own forward it is
+    the loop's measured verification exactly; a tree pays it on its larger forward, plus its own walk."""
+    t1 = 1.1e-3
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=2e-4 / t1)
+    prof.extra.update(verify_step_ratios={"0": 0.05, "8": 0.1, "64": 0.3},
+                      verify_chain_ratios={"8": 0.06, "64": 0.2}, loop_verify_forward_tokens=4)
+    excess = loop_forward_excess(prof)
+    assert excess == pytest.approx((2e-4 / t1 - 0.05) / prof.t_n_ratios[4])
+    wide, chain = to_measured_cost(prof), to_measured_cost(prof, chain=True)
+    loop_verify = prof.t_n[4] + prof.verify_overhead_s  # what the loop measured on its own tree
+    assert wide.time(4) == pytest.approx(loop_verify)  # walk not timed at 4: the loop tree's
+    assert wide.time(64) == pytest.approx(prof.t_n[64] * (1 + excess) + 0.3 * t1)
+    assert chain.time(64) == pytest.approx(prof.t_n[64] * (1 + excess) + 0.2 * t1)
+    assert wide.time(64) > prof.t_n[64] + prof.verify_overhead_s + (0.3 - 0.05) * t1  # more than a constant
+    assert wide.time(1) == pytest.approx(t1)
+    cheap = dataclasses.replace(prof, verify_overhead_ratio=0.01)  # less than the walk: no negative excess
+    assert loop_forward_excess(cheap) == 0.0
+    untimed = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_forward_tokens": 5})
+    assert loop_forward_excess(untimed) is None  # t(5) not timed: the constant overhead
+    assert to_measured_cost(untimed).time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.3 - 0.05) * t1)
+
+
+def test_draft_levels_scale_the_loops_level_by_the_timed_growth():
+    prof = dataclasses.replace(_profile(), draft_ratio=0.3)
+    prof.extra.update(draft_level_ratios={"1": 0.1, "2": 0.12, "8": 0.25}, draft_models=3)
+    cfg = SimpleNamespace(method=SimpleNamespace(draft_steps="depth"))
+    levels = draft_levels(cfg, prof)
+    assert levels.time(1) == pytest.approx(prof.draft_time_s)  # the loop's own level (all 3 members)
+    assert levels.time(8) == pytest.approx(prof.draft_time_s * 2.5)
+    assert draft_levels(SimpleNamespace(method=SimpleNamespace(draft_steps="once")), prof) is None
 
 
 def test_cost_rounds_time_the_verification_per_size():

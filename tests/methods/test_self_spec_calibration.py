@@ -4,9 +4,11 @@ verify is timed and its saving replaces ρ_v = E / L; Draft & Verify's draft ste
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from methods.measurement.calibrate import _forwards_per_step, ensure_profile
+from methods.measurement.calibrate import _forwards_per_step, ensure_profile, missing_self_draft
 from methods.measurement.profiles import apply_profile, exit_prediction, to_measured_cost, tree_predictions
 from specsim.cost import CostModel
 from specsim.tree import Tree
@@ -54,6 +56,13 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     table = prof.extra["exit_confidence"]
     assert sum(table["mass"]) == pytest.approx(1.0) and table["positions"] == 2 * 6
     assert 1 <= prof.extra["loop_draft_forwards_per_step"] <= 4  # at most γ forwards per step
+    # the loop's verification overhead beside the forward the exit let run (1 + its mean draft length)
+    forward = prof.extra["loop_verify_forward_tokens"]
+    assert forward == max(1, min(5, round(1 + prof.extra["loop_mean_draft_length"])))
+    assert forward in prof.t_n and missing_self_draft(prof, cfg) == ""
+    longest = SimpleNamespace(extra={**prof.extra, "loop_verify_forward_tokens": 5,
+                                     "loop_mean_draft_length": 1.2})
+    assert "longest draft" in missing_self_draft(longest, cfg)  # profiles made before: measured again
     chain = Tree.chain(4)
     run = exit_prediction(cfg, prof, chain)
     here, preset = tree_predictions(cfg, prof, chain)
@@ -63,6 +72,11 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     assert here["predicted_tau"] <= 1 + here["predicted_mean_draft_length"]
     cost = CostModel.from_config(apply_profile(cfg, prof), to_measured_cost(prof, chain=True))  # chains
     assert here["predicted_speedup"] == pytest.approx(run.tau * cost.ar_time / run.step_time(cost))
+    n = cfg.workload.max_new_tokens  # the finite run is cut on the exit law, not on the chain of 4's
+    assert here["tokens_per_forward"] == pytest.approx(run.tokens_per_forward(n))
+    assert here["tokens_per_forward"] <= here["predicted_tau"]
+    assert here["predicted_decode_speedup"] == pytest.approx(run.decode_speedup(cost, n))
+    assert here["predicted_decode_speedup"] <= here["predicted_speedup"]
 
 
 def test_prediction_at_the_runs_own_costs():
