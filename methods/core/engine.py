@@ -10,7 +10,8 @@ the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,21 @@ def context_length(model: PreTrainedModel) -> int:
         if value:
             return int(value)
     raise ValueError(f"{type(model).__name__}: cannot find the context length in its config")
+
+
+def inference(method: Callable) -> Callable:
+    """``torch.inference_mode()`` for a method, entered only when the caller is not inside it already: the
+    decode loop runs under it, and re-entering the mode costs more than a small method's own Python (several
+    engine calls per step)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return run
 
 
 _MAX_TREE_CACHE = 64  # per-engine memo of tree masks; dynamic trees would otherwise grow it without bound
@@ -163,7 +179,7 @@ class ModelEngine:
             )
 
     # ---- forwards -------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def prefill(self, ids: torch.Tensor, hidden: bool = False, layers: tuple[int, ...] = ()
                 ) -> ForwardOut | None:
         """Append committed tokens ids (T,) causally; logits of the last one (and hidden of all, and the
@@ -177,7 +193,7 @@ class ModelEngine:
         self.commit(range(n))
         return out
 
-    @torch.inference_mode()
+    @inference
     def forward_tree(self, tokens: torch.Tensor, tree: Tree, hidden: bool = False,
                      layers: tuple[int, ...] = (), resume: Resume | None = None) -> ForwardOut:
         """ONE forward over all tree nodes (tokens (N,), node 0 = root) after the committed prefix;
@@ -218,7 +234,7 @@ class ModelEngine:
         h = self.fast.final_norm(x)
         return ForwardOut(self.fast.logits(h).float(), h if hidden else None)
 
-    @torch.inference_mode()
+    @inference
     def extend(
         self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False,
         layers: tuple[int, ...] = (), sub: SubLayers | None = None,
@@ -335,7 +351,7 @@ class ModelEngine:
         return hit
 
     # ---- commit ---------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def commit(self, keep: Sequence[int]) -> None:
         """Keep the pending nodes ``keep`` (ascending pending indices, e.g. the accepted root-first path) as
         committed tokens; drop the other pending nodes."""

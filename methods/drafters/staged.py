@@ -2,20 +2,20 @@
 Decoding"): a tree-structured draft from the draft model q, and the draft model itself sped up by a cheaper
 second stage, so that q runs fewer forwards per step. p = target, q = draft model.
 
-The tree is a spine with branches: the spine is q's greedy path of depth D from the root, and every spine
-node at depth d < D gets q's top-k as children (rank 0 = the spine's next node, ranks 1..k-1 = leaves), so
-k·D draft nodes. Only spine nodes need q's logits: without a second stage that is one q forward per level
-(the catch-up forward over the committed tokens q has not read, then D-1 spine forwards). The second stage
-guesses how the spine goes on (``ngram``: an n-gram table of q's own greedy outputs, keyed by the previous
-``order`` tokens; ``prompt_lookup``: the prompt-lookup index of methods.drafters.prompt_lookup over the
-committed text) and q checks the guess in the same forward (a chain in q's cache, tree attention): the
-guessed tokens that equal q's own argmax are spine nodes whose logits came for free — q's greedy path is
-exactly the same, only reached in fewer forwards. Drafts are deterministic (top-k, Draft.q = None):
-greedy verification at temperature 0, the deterministic rule at T > 0, both lossless.
-Departures from the paper: its trees are expanded by q's probabilities under a budget and its second stage
-is a Katz back-off n-gram model of the corpus; here the tree shape is fixed (D, k) and the second stage
-learns online from q's own outputs (or copies the context). Sampled children (SpecInfer-style q rows at
-T > 0) are not implemented.
+The tree is a spine with branches: the spine is q's greedy path of depth D from the root, and every spine node
+at depth d < D gets q's top-k as children (rank 0 = the spine's next node, ranks 1..k-1 = leaves), so k·D
+draft nodes. Only spine nodes need q's logits: without a second stage that is one q forward per level (the
+catch-up forward over the committed tokens q has not read, then D-1 spine forwards). The second stage guesses
+how the spine goes on (``ngram``: an n-gram table of q's own greedy outputs, keyed by the previous ``order``
+tokens and backing off to shorter keys; ``prompt_lookup``: the prompt-lookup index of
+methods.drafters.prompt_lookup over the committed text) and q checks the guess in the same forward (a chain in
+q's cache, tree attention): the guessed tokens that equal q's own argmax are spine nodes whose logits came for
+free — q's greedy path is exactly the same, only reached in fewer forwards. Drafts are deterministic (top-k,
+Draft.q = None): greedy verification at temperature 0, the deterministic rule at T > 0, both lossless.
+Departures from the paper: its trees are expanded by q's probabilities under a budget and its second stage is
+a Katz back-off n-gram model of the corpus; here the tree shape is fixed (D, k) and the second stage learns
+online from q's own outputs, backing off without discounting (or copies the context). Sampled children
+(SpecInfer-style q rows at T > 0) are not implemented.
 """
 
 from __future__ import annotations
@@ -66,25 +66,33 @@ def spine_tree(depth: int, k: int) -> Tree:
 
 
 class OwnNgrams:
-    """The second stage ``ngram``: q's argmax after each ``order``-token context it has computed (latest
-    wins), chained to guess how q's greedy path goes on."""
+    """The second stage ``ngram``: q's argmax after each context of 1..``order`` tokens it has computed
+    (latest wins), chained to guess how q's greedy path goes on. Each guess backs off to the longest
+    context seen (the paper's second stage is a back-off n-gram model too, Katz's; here without
+    discounting): an ``order``-token context q has not met yet still gets the guess of its shorter
+    suffix, which spares a draft forward whenever that guess is right and costs a few rows of one when
+    it is wrong."""
 
     def __init__(self, order: int) -> None:
         self.order = order
-        self.next: dict[tuple[int, ...], int] = {}
+        self.next: list[dict[tuple[int, ...], int]] = [{} for _ in range(order)]  # [n-1]: n-token keys
 
     def learn(self, context: list[int], argmax: int) -> None:
-        if len(context) >= self.order:
-            self.next[tuple(context[-self.order :])] = argmax
+        for n in range(1, min(self.order, len(context)) + 1):
+            self.next[n - 1][tuple(context[-n:])] = argmax
 
     def guess(self, context: list[int], count: int) -> list[int]:
         out, tail = [], list(context[-self.order :])
-        while len(out) < count and len(tail) == self.order:
-            tok = self.next.get(tuple(tail))
+        while len(out) < count:
+            tok = None
+            for n in range(len(tail), 0, -1):  # the longest context with an entry
+                tok = self.next[n - 1].get(tuple(tail[-n:]))
+                if tok is not None:
+                    break
             if tok is None:
                 break
             out.append(tok)
-            tail = tail[1:] + [tok]
+            tail = (tail + [tok])[-self.order :]
         return out
 
 
@@ -129,7 +137,8 @@ class StagedDrafter:
         """q's spine (greedy path) to depth D with the second stage's guesses checked along, then the tree."""
         eng, depth = self.engine, min(self.params.depth, ctx.max_new)
         missing = ctx.tokens[eng.length :].to(eng.device)  # committed tokens q has not read, the root last
-        committed = ctx.tokens.tolist()
+        # the context's tail: the second stage's keys and lookups read at most ``order`` tokens back
+        committed = ctx.tokens[-(self.params.order + 1) :].tolist()
         if self.params.stage2 == "prompt_lookup":
             self.lookup.continuation(ctx.tokens)  # index the committed text (incremental)
         spine, rows, self._fed = [committed[-1]], [], {}  # spine tokens; q logits at spine depths 0..
@@ -137,7 +146,9 @@ class StagedDrafter:
         while len(rows) < depth:
             guess = self._guess(committed[:-1] + spine, depth - 1 - len(rows))
             first = eng.pending + len(feed) - 1  # pending index of the spine node being fed
-            tokens = torch.cat([feed, torch.tensor(guess, dtype=torch.long, device=eng.device)])
+            tokens = feed
+            if guess:
+                tokens = torch.cat([feed, torch.tensor(guess, dtype=torch.long, device=eng.device)])
             logits = eng.extend(tokens, parents + list(range(first, first + len(guess)))).logits
             self.draft_forwards += 1
             logits = logits[len(feed) - 1 :]  # (1 + len(guess), V): the spine node's, then the guesses'

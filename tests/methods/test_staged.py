@@ -12,7 +12,7 @@ from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
 from methods.drafters.registry import build_drafter
-from methods.drafters.staged import spine_tree
+from methods.drafters.staged import OwnNgrams, spine_tree
 from specsim.config import MethodConfig, Verifier
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,6 +28,17 @@ def test_spine_tree_layout():
     assert tree.children[0] == (1, 4) and tree.depths.tolist() == [0, 1, 2, 3, 1, 2, 3]
     assert spine_tree(2, 3).parents == (-1, 0, 1, 0, 0, 1, 1)  # k = 3: two leaves per depth
     assert spine_tree(2, 1).parents == (-1, 0, 1)  # k = 1: a chain
+
+
+def test_own_ngrams_back_off_to_the_longest_context_seen():
+    own = OwnNgrams(2)
+    own.learn([1, 2, 3], 9)  # keys (2, 3) and (3,)
+    own.learn([5, 3], 8)  # (5, 3), and (3,) again: the latest wins
+    assert own.guess([2, 3], 1) == [9]  # the 2-token key beats the newer 1-token one
+    assert own.guess([7, 3], 1) == [8]  # an unseen 2-token key backs off to (3,)
+    own.learn([3, 9], 4)
+    assert own.guess([1, 2, 3], 5) == [9, 4]  # chained: (2, 3) -> 9, (3, 9) -> 4, then nothing for (9, 4)
+    assert own.guess([6], 2) == [] and own.guess([], 2) == []
 
 
 class Recorder:
