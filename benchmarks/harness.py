@@ -38,6 +38,10 @@ class BenchPath:
     candidate: bool = False  # in the race for specsim's "best"
     hf: bool = False  # a transformers configuration: forwards counted with a hook; races for HF's fastest
     counter: list[int] | None = None  # HF paths: the target-forward counter during the selection pass
+    # called (untimed) before every pass: a specsim path starts each pass with a new drafter, so that what a
+    # drafter keeps across prompts (staged's n-gram table of q's outputs) has not seen these prompts in the
+    # warm-up or an earlier pass; within a pass it carries over from prompt to prompt, as in serving
+    fresh: Callable[[], None] | None = None
     selection: Pass | None = None
     reps: list[Pass] = field(default_factory=list)
     equal: int = 0  # runs (prompt x pass) whose output equals HF greedy's in the selection pass
@@ -56,6 +60,9 @@ def run_pass(paths: list[BenchPath], prompts, offset: int) -> dict[str, Pass]:
     """Every prompt runs every path, the order rotated per prompt (from ``offset``) so that a slow phase of
     the machine hits all paths alike. Steps: the drafter loop's, or the target forwards a hook counted."""
     out = {p.name: Pass([]) for p in paths}
+    for p in paths:
+        if p.fresh is not None:
+            p.fresh()
     for i, ids in enumerate(prompts):
         k = (offset + i) % len(paths)
         for p in paths[k:] + paths[:k]:

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,12 +58,16 @@ def compose(*overrides: str) -> RunConfig:
 
 
 # ---- the paths --------------------------------------------------------------------------------------------
-def specsim_path(name: str, engine: ModelEngine, drafter, opts: DecodeOptions, candidate: bool) -> BenchPath:
+def specsim_path(name: str, engine: ModelEngine, make_drafter: Callable[[], object], opts: DecodeOptions,
+                 candidate: bool) -> BenchPath:
+    """A specsim path; ``make_drafter`` builds its drafter anew before every pass (BenchPath.fresh)."""
+    drafter = [make_drafter()]
+
     def run(ids: torch.Tensor) -> Output:
-        res = decode(engine, drafter, ids, opts, torch.Generator().manual_seed(0))
+        res = decode(engine, drafter[0], ids, opts, torch.Generator().manual_seed(0))
         return Output(res.token_ids, res.n_target_forwards)
 
-    return BenchPath(name, run, candidate)
+    return BenchPath(name, run, candidate, fresh=lambda: drafter.__setitem__(0, make_drafter()))
 
 
 def build_paths(args, cfg: RunConfig, models: Models, prompts, calib
@@ -83,8 +88,10 @@ def build_paths(args, cfg: RunConfig, models: Models, prompts, calib
     def ours(name, overrides, tree, params, candidate):
         tree_cfg = ctx.compose(*base, *overrides).tree  # dynamic trees (EAGLE-2/3): shaped by their drafter
         method = method_config(ctx, overrides, params)
-        drafter = build_drafter(method, tree, models, greedy, tree_cfg=tree_cfg)
-        return specsim_path(name, engine, drafter, opts, candidate)
+        def make():
+            return build_drafter(method, tree, models, greedy, tree_cfg=tree_cfg)
+
+        return specsim_path(name, engine, make, opts, candidate)
 
     paths.append(ours(AR, ("method=autoregressive",), Tree.chain(0), {}, False))
     if models.draft is not None:

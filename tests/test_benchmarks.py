@@ -193,3 +193,32 @@ def test_eagle_ladder_rungs_verify_the_same_budget():
             else:
                 tree = Tree.kary(cfg.tree.k, cfg.tree.depth)
                 assert (tree.size - 1, tree.depth) == (budget(k, depth), depth)
+
+
+def test_each_pass_starts_with_a_fresh_drafter_so_no_pass_has_seen_its_prompts():
+    """A path whose state carries across prompts (staged's n-gram table of q's outputs) must not time a pass
+    on prompts it met in the warm-up or an earlier pass; within a pass the state carries over."""
+    from benchmarks.harness import BenchPath, Output, measure
+
+    seen_before: list[int] = []  # per run: how many prompts this drafter had decoded before
+
+    def make():
+        return {"decoded": 0}
+
+    state = [make()]
+
+    def run(ids):
+        seen_before.append(state[0]["decoded"])
+        state[0]["decoded"] += 1
+        return Output([int(ids[0, 0])], 1)
+
+    def ref(ids):
+        return Output([int(ids[0, 0])], 1)
+
+    path = BenchPath("stateful", run, fresh=lambda: state.__setitem__(0, make()))
+    target = torch.nn.Linear(1, 1)
+    prompts = [torch.tensor([[i, 1]]) for i in range(3)]
+    measure([path, BenchPath("ref", ref), BenchPath("ar", ref)], prompts, 2, target, ("ref", "ar"))
+    timed = seen_before[2:]  # after the two warm-up calls: the selection pass and two reps
+    assert timed == [0, 1, 2] * 3
+    assert path.equal == path.runs == 9
