@@ -46,7 +46,7 @@ class Path_:
     seconds: list[float] = field(default_factory=list)
     tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list)
-    drafts: int = 0
+    decode_steps: int = 0  # vLLM: sequences' decode steps (one that drafted nothing counted: Counters)
     accepted: int = 0
     steps: int = 0  # specsim: target forwards
 
@@ -57,7 +57,7 @@ class Path_:
     @property
     def tau(self) -> float:
         if self.engine == "vllm":
-            return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+            return 1.0 + self.accepted / self.decode_steps if self.decode_steps else 1.0
         return self.tokens / self.steps if self.steps else float("nan")
 
 
@@ -294,7 +294,7 @@ def run_batch(batch: int, prompts: list[list[int]], vllm: dict, specsim: dict, m
             p.seconds.append(gen.seconds)
             p.tokens += gen.new_tokens
             p.outputs += gen.token_ids
-            p.drafts += gen.counters.drafts
+            p.decode_steps += gen.counters.decode_steps
             p.accepted += gen.counters.accepted
         for name, run in specsim.items():
             p = paths[name]

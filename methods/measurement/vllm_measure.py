@@ -138,9 +138,12 @@ def engine_profile(profile: Profile, calib: dict[str, float], gamma: int, per_to
 
 
 def spec_step_s(gen: Generation, batch: int) -> float:
-    """Seconds per engine step of a speculative batch: every step drafts once per running sequence, plus the
-    prefill step that emits the first token."""
-    return gen.seconds / (gen.counters.drafts / batch + 1)
+    """Seconds per engine step of a speculative batch: the steps counted from vLLM's per-step stats, or
+    where none were (stats of an older vLLM), one step per sequence's decode step plus the prefill step.
+    Counting drafts instead missed every step whose n-gram lookup found no match (vLLM counts no draft
+    there): the n-gram step came out too long, its drafting cost too high, the predicted speedup too low."""
+    c = gen.counters
+    return gen.seconds / (c.engine_steps if c.engine_steps else c.decode_steps / batch + 1)
 
 
 def _step_s(gen: Generation, max_new: int) -> float:

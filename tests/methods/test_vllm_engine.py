@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,10 +18,12 @@ from methods.measurement.vllm_engine import (
     VLLM_METHODS,
     Counters,
     Generation,
+    VllmEngine,
     available,
     intel_openmp,
     plan_for,
     preload_intel_openmp,
+    step_counters,
 )
 from methods.measurement.vllm_measure import draft_cost_inside, engine_profile, spec_step_s
 
@@ -90,6 +93,43 @@ def test_draft_cost_inside_speculation_is_the_spec_step_beyond_the_verify():
 def test_spec_step_counts_one_draft_per_sequence_per_step_plus_the_prefill():
     gen = Generation([[1] * 10, [2] * 10], seconds=1.1, counters=Counters(drafts=20))
     assert spec_step_s(gen, 2) == pytest.approx(1.1 / 11)
+
+
+def _stats(drafts: int, accepted: int, decoded: int, prefilled: int = 0):
+    """vLLM's per-step stats: a speculative record only where some sequence drafted."""
+    spec = SimpleNamespace(num_drafts=drafts, num_draft_tokens=4 * drafts, num_accepted_tokens=accepted,
+                           num_accepted_tokens_per_pos=[accepted, 0, 0, 0]) if drafts else None
+    it = SimpleNamespace(num_generation_tokens=decoded + accepted + prefilled,
+                         inter_token_latencies_iter=[0.01] * decoded)
+    return SimpleNamespace(spec_decoding_stats=spec), it
+
+
+def test_steps_without_an_ngram_match_count_in_tau_and_the_step_time():
+    # one sequence: the prefill, 2 steps that drafted (1 accepted each) and 2 whose lookup found nothing
+    steps = [_stats(0, 0, 0, prefilled=1), _stats(1, 1, 1), _stats(0, 0, 1), _stats(1, 1, 1), _stats(0, 0, 1)]
+    total = Counters()
+    for scheduler, iteration in steps:
+        total = total.plus(step_counters(scheduler, iteration))
+    assert (total.drafts, total.accepted, total.seq_steps, total.engine_steps) == (2, 2, 4, 5)
+    assert total.tau == pytest.approx(1 + 2 / 4)  # 6 tokens after the prefill's in 4 target forwards
+    assert total.by_position == [1.0, 0.0, 0.0, 0.0]  # per step that drafted, as vLLM reports it
+    gen = Generation([[7] * 7], seconds=1.0, counters=total)
+    assert spec_step_s(gen, 1) == pytest.approx(1.0 / 5)  # 5 engine steps; drafts + prefill said 3
+    assert Counters(drafts=5, accepted=5).tau == 2.0  # no steps counted (a fake): every step drafted
+
+
+def test_engine_counts_each_steps_stats_through_its_stat_recorder():
+    engine = VllmEngine.__new__(VllmEngine)
+    engine._seen = Counters()
+    seen = []
+    manager = SimpleNamespace(record=lambda **kw: seen.append(kw))
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(logger_manager=manager))
+    engine._watch_spec_stats()
+    scheduler, iteration = _stats(1, 3, 2)
+    manager.record(scheduler_stats=scheduler, iteration_stats=iteration, engine_idx=0)
+    got = engine.counters()
+    assert (got.drafts, got.accepted, got.seq_steps, got.engine_steps) == (1, 3, 2, 1)
+    assert seen[0]["iteration_stats"] is iteration  # vLLM's own loggers still get the step
 
 
 def test_intel_openmp_preload_keeps_other_libraries(monkeypatch):
