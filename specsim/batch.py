@@ -22,6 +22,12 @@ Speedup per row at batch B: S(B) = τ · t(B, 1) / (t_draft(B) + t(B, n)) (the b
 over the batched speculative step; τ = k̄ per row, bonus included). B* = the smallest B with S(B) < 1.
 Draft cost at B: the draft model's own batched roofline (``method.draft_cost=roofline``), a measured draft
 fit, or — for costs given as ratios of t(1) — growing as the target's t(B, 1) does.
+
+On a measured device (a profile and a fit, :class:`BatchedLoop`) a step at B ≥ 2 is priced as the batched
+loop runs it — another engine than the one-sequence loop the profile timed: the batched engine's forward
+fit(B, n) at the workload's context, plus the batched loop's own work outside the forward (timed by running
+it: loop0 + loop_row · B), plus, for a draft model with a fit of its own, one draft forward of B rows per
+tree level. B = 1 stays the profile's one-sequence step (task=measure decodes a batch of one alone).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import numpy as np
 from specsim.config import HardwareConfig, RunConfig
 from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
 
-BATCH_FIT_FORMAT = 1  # bump when BatchFit's fields or their meaning change
+BATCH_FIT_FORMAT = 2  # bump when BatchFit's fields or their meaning change (2: the loop's own time)
 BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
 MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
 
@@ -132,6 +138,14 @@ class BatchFit:
     source: str = "measured"
     rel_error_median: float = 0.0  # of the fit over the grid it was fitted to
     rel_error_max: float = 0.0
+    # the batched decode loop's work per step outside the forward (verification, commit, per-row host
+    # bookkeeping), timed by running the loop autoregressively: loop0 + loop_row · B seconds
+    loop0: float = 0.0
+    loop_row: float = 0.0
+
+    def loop_time(self, batch: Any) -> float | np.ndarray:
+        t = self.loop0 + self.loop_row * np.asarray(batch, float)
+        return float(t) if np.ndim(t) == 0 else t
 
     def time(self, batch: Any, n: Any, context: int | None = None) -> float | np.ndarray:
         b, n = np.asarray(batch, float), np.asarray(n, float)
@@ -215,6 +229,27 @@ class Anchored:
 
 
 @dataclass(frozen=True)
+class BatchedLoop:
+    """t(B, n) of a step of the batched decode loop on this device, in seconds: the batched engine's verify
+    forward as the fit prices it at its ``context_tokens`` plus the loop's measured time outside the forward
+    (``fit.loop_time``); B = 1 is the one-sequence loop's measured step (``base``, the device profile):
+    task=measure decodes a batch of one with it, and the two engines cost differently (the batched one
+    builds a per-row mask and writes KV by index). Absolute times, not ratios of the profile: the profile
+    times another engine, whose t(1) grown by fit(B, n) / fit(1, n) under-read the batched loop's steps.
+    The fit and the run must be timed under the same load (a quiet machine)."""
+
+    base: TargetCost
+    fit: BatchFit
+    source: str = "measured"
+
+    def time(self, batch: Any, n: Any) -> float | np.ndarray:
+        b, n = np.broadcast_arrays(np.asarray(batch, float), np.asarray(n, float))
+        batched = np.asarray(self.fit.time(b, n)) + np.asarray(self.fit.loop_time(b))
+        t = np.where(b <= 1, np.asarray(self.base.time(n)), batched)
+        return float(t) if np.ndim(t) == 0 else t
+
+
+@dataclass(frozen=True)
 class BatchCostModel:
     """A CostModel (the single-row one) and the batched target t(B, n); ``draft`` prices the draft model's
     step at B (a BatchCost over B rows × w nodes of a level), None = as the target's t(B, 1) grows."""
@@ -227,16 +262,20 @@ class BatchCostModel:
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
                     draft_fit: BatchFit | None = None) -> BatchCostModel:
         """The roofline of hardware × model at B rows, or — with a measured ``profile`` t(n) and this
-        device's ``fit`` — the profile grown with B (:class:`Anchored`). A measured profile without a fit
-        falls back to the roofline's growth (t_profile(n) · roofline(B, n) / roofline(1, n))."""
+        device's ``fit`` — the batched loop's measured step at B ≥ 2 (:class:`BatchedLoop`, the fit at the
+        workload's context). A measured profile without a fit falls back to the roofline's growth
+        (t_profile(n) · roofline(B, n) / roofline(1, n), :class:`Anchored`). ``draft_fit``: the draft
+        model's own batched forward, priced at the workload's context too."""
         single = CostModel.from_config(cfg, profile)
         context = cfg.workload.context_tokens
         roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), context)
         if profile is None:
             target: Any = roof
+        elif fit is None:
+            target = Anchored(profile, _as_fit(roof))
         else:
-            target = Anchored(profile, fit if fit is not None else _as_fit(roof))
-        draft: Any = draft_fit
+            target = BatchedLoop(profile, replace(fit, context_tokens=int(context)))
+        draft: Any = None if draft_fit is None else replace(draft_fit, context_tokens=int(context))
         if draft is None and single.draft.model is not None:  # draft_cost=roofline: its own rows too
             draft = BatchRoofline.from_roofline(single.draft.model)
         return cls(single, target, draft)
@@ -247,6 +286,12 @@ class BatchCostModel:
         d = self.single.draft
         if d.model is not None and isinstance(self.draft, BatchRoofline):
             draft = replace(d, model=AtBatch(self.draft, int(batch), "roofline"))
+        elif self.draft_forwards(batch):  # the draft model's batched forward, one per tree level
+            # plus its step's measured work outside them (the draft fit's loop terms), per step
+            tb1 = float(self.target.time(batch, 1))
+            fixed = (d.fixed_ratio * float(self.target.time(1, 1)) + self.draft.loop_time(batch)) / tb1
+            draft = replace(d, model=AtBatch(self.draft, int(batch), "draft fit"), ratio=0.0,
+                            fixed_ratio=fixed, fed_width=False)
         else:  # ratios of t(1): rescale so that ratio · t(B, 1) = the draft step at B
             t11, tb1 = float(self.target.time(1, 1)), float(self.target.time(batch, 1))
             grow = tb1 / t11 if self.draft is None else (
@@ -254,6 +299,13 @@ class BatchCostModel:
             scale = grow * t11 / tb1
             draft = replace(d, ratio=d.ratio * scale, fixed_ratio=d.fixed_ratio * scale)
         return replace(self.single, target=target, draft=draft)
+
+    def draft_forwards(self, batch: int) -> bool:
+        """The draft step at ``batch`` is the measured draft fit's forwards (a draft model drafting level
+        by level, at B ≥ 2 on a measured device) rather than a ratio of t(1)."""
+        d = self.single.draft
+        return (batch > 1 and isinstance(self.draft, BatchFit) and isinstance(self.target, BatchedLoop)
+                and d.model is None and not d.one_pass)
 
 
 def _as_fit(r: BatchRoofline) -> BatchFit:
@@ -307,6 +359,8 @@ class BatchPrediction:
     # refills rows: one row's mean); the measured counterpart is decode_speedup
     predicted_decode_speedup: float = float("nan")
     batch_forwards: float = float("nan")  # E[forwards] of the batch (the autoregressive side: n)
+    t_verify_s: float = float("nan")  # the step's terms: the verify (target forward and loop work at B)
+    t_draft_s: float = float("nan")  # and the drafting at B (t_step_s = their sum)
 
     def to_metrics(self, prefix: str = "") -> dict[str, Any]:
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
@@ -450,7 +504,7 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
         forwards = mixture_batch_forwards(laws, n, rows)
     decode = n * at.ar_time / (forwards * step) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
-                           at.target.source, decode, forwards)
+                           at.target.source, decode, forwards, at.tree_verify_time(t), at.draft_time(t))
 
 
 def best_budget_by_batch(cfg: RunConfig, batches: Sequence[int] = BATCHES,
