@@ -82,13 +82,13 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
     loop = batch_cost.time_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
     assert set(loop) == {1, 2} and all(t > 0 for t in loop.values())
     cfg = run_config("model=micro", "threads=1", "device=cpu")
-    fit, _, path = batch_cost.calibrate_batch(cfg, tiny_models.target, [8], [1, 2], [1, 2, 4], reps=1,
+    fit, _, path = batch_cost.calibrate_batch(cfg, tiny_models.target, [8], [1, 2, 3], [1, 2, 4], reps=1,
                                               warmup=0, cache=tmp_path)
     assert fit.loop0 + fit.loop_row > 0 and batch_cost.load_batch_fit(cfg, tmp_path) == fit
     drafter = build_drafter(cfg.method, Tree.chain(2), tiny_models, SamplingParams(0.0))
     draft_loop = batch_cost.time_draft_loop(tiny_models.target, drafter, fit, [1, 2], 8, steps=3, reps=1)
     assert set(draft_loop) == {1, 2} and all(np.isfinite(t) for t in draft_loop.values())
-    dfit, _, _ = batch_cost.calibrate_batch(cfg, tiny_models.draft, [8], [1, 2], [1, 2, 4], reps=1, warmup=0,
-                                            cache=tmp_path, role="draft", target=tiny_models.target,
-                                            drafter=drafter)
+    dfit, _, _ = batch_cost.calibrate_batch(cfg, tiny_models.draft, [8], [1, 2, 3], [1, 2, 4], reps=1,
+                                            warmup=0, cache=tmp_path, role="draft",
+                                            target=tiny_models.target, drafter=drafter)
     assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit

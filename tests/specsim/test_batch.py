@@ -311,3 +311,16 @@ def test_a_measured_device_prices_the_loop_at_the_workloads_context_and_the_draf
                                with_break_even=False)
     assert p.t_step_s == pytest.approx(p.t_verify_s + p.t_draft_s)
     assert p.t_draft_s == pytest.approx(want)
+
+
+def test_the_fit_tells_the_one_query_kv_read_from_the_trees():
+    """Forwards of n >= 2 tokens read the cache at another rate (kv_tree) than 1-token ones: a grid made
+    with one is fitted back, and a fit without it prices both alike."""
+    truth = BatchFit(t0=1e-3, w=2e-3, kv=1e-9, tok=5e-5, att=0.0, context_tokens=160, form="sum",
+                     kv_tree=3e-9)
+    grid = {(b, n, c): float(truth.time(b, n, c)) for b in (1, 2, 4, 8, 16, 32) for n in (1, 2, 4, 8)
+            for c in (128, 192)}
+    fit = fit_batch_cost(grid, 128)
+    assert fit.rel_error_max < 0.01 and fit.kv_tree == pytest.approx(3e-9, rel=0.05)
+    plain = dataclasses.replace(truth, kv_tree=None)
+    assert plain.time(16, 2) - plain.time(16, 1) < truth.time(16, 2) - truth.time(16, 1)
