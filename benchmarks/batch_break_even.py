@@ -75,6 +75,7 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
     cfg = compose_run_config(f"method={method}", f"threads={threads}", "device=cpu", "hardware=cpu")
     profile = load_profile(profile_config(cfg))
     fit = load_batch_fit(cfg)
+    draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
     if profile is None or fit is None:
         raise SystemExit(f"no {'device profile' if profile is None else 't(B, n) fit'} for {method} on this "
                          "CPU: run `run.py task=calibrate method=...` / benchmarks/batch_cost.py first")
@@ -83,7 +84,8 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
                                            cfg.workload.context_tokens)
     rows = []
     for b in batch.BATCHES:
-        p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1))
+        p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1),
+                                   draft_fit=draft_fit)
         rows.append({"method": method, "batch_size": b, "predicted_speedup": p.predicted_speedup,
                      "predicted_tau": p.predicted_tau, "ar_tokens_per_s": p.ar_tokens_per_s,
                      "roofline_ar_tokens_per_s": b / float(roof.time(b, 1)),
