@@ -304,7 +304,7 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
                predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
                predicted_t_verify_s=pred.t_verify_s, predicted_t_draft_s=pred.t_draft_s,
-               **_forward_terms(pred, fit),
+               **_forward_terms(pred, fit if profile is not None else None),
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
                batch_cost_source="fit" if fit is not None else "roofline growth",
                batch_draft_cost_source="draft fit" if draft_fit is not None else "as the target grows",
@@ -314,7 +314,7 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
 
 def _forward_terms(pred, fit) -> dict[str, float | None]:
     """The predicted step's target forwards alone and the batched loop's time outside them (None without a
-    fit: the profile grown by the roofline prices whole steps)."""
+    fit or a profile: the roofline, or the profile grown by it, prices whole steps)."""
     if fit is None:
         return {"predicted_t_loop_s": None, "predicted_t_forward_s": None, "predicted_t_ar_forward_s": None}
     loop = float(fit.loop_time(pred.batch_size))
