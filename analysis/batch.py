@@ -170,6 +170,11 @@ def _throughput(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, 
     if "baseline_tokens_per_s" in table:
         ar = table.groupby(batch)["baseline_tokens_per_s"].mean()
         ax.plot(ar.index, ar.values, "o-", color="0.2", label="batched AR, measured")
+    if "baseline_decode_tokens_per_s" in table and table["baseline_decode_tokens_per_s"].notna().any():
+        # what B / t(B, 1) prices: the decode steps, without the prompts' prefill (8-26% of the run)
+        dec = table.groupby(batch)["baseline_decode_tokens_per_s"].mean()
+        ax.plot(dec.index, dec.values, "s--", color="0.2", mfc="none",
+                label="batched AR, measured, decode only")
     model = None
     if prediction is not None and "ar_tokens_per_s" in prediction:
         p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction
