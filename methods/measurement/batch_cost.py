@@ -135,20 +135,44 @@ def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[
     """B → the batched draft step's seconds outside the draft model's forwards: the loop's draft timer per
     step with ``drafter`` (a draft model drafting its tree level by level) less the autoregressive loop's
     at the same B (the per-row bookkeeping both timers hold, priced by the target's :func:`time_loop`)
-    less one draft forward per level as ``fit`` (the draft model's t(B, n)) prices it: top-k, catching up
-    with the committed tokens, the draft cache's commit."""
+    less the draft model's forwards — timed in the same loop where the batched drafter has an engine (its
+    ``extend`` calls), so that the difference holds no load the forwards met, else one forward per level
+    as ``fit`` prices it: top-k, catching up with the committed tokens, the draft cache's commit."""
     from methods.core.batch_drafter import batched
     from methods.drafters.autoregressive import Autoregressive
 
-    sides = {"ar": lambda b: batched(Autoregressive(), b), "draft": lambda b: batched(drafter, b)}
+    forwards: dict[int, list[float]] = {}  # B → seconds in the draft's forwards, over every round
+
+    def draft_side(b: int) -> Any:
+        side = batched(drafter, b)
+        engine = getattr(side, "engine", None)
+        if engine is not None:
+            forwards[b] = [0.0]
+            inner = engine.extend
+
+            def extend(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = inner(*args, **kwargs)
+                forwards[b][0] += time.perf_counter() - t0
+                return out
+
+            engine.extend = extend  # this instance only: a timer around the draft's forwards
+        return side
+
+    sides = {"ar": lambda b: batched(Autoregressive(), b), "draft": draft_side}
     runs = _loop_steps(target, sides, batches, context, steps, reps, seed)
     widths = drafter.tree.level_sizes()[: drafter.tree.depth]
     out = {}
     for b in batches:
-        draft = _per_step(runs[("draft", b)], lambda r: r.time_draft_s)
+        draft_runs = runs[("draft", b)]
+        draft = _per_step(draft_runs, lambda r: r.time_draft_s)
         ar = _per_step(runs[("ar", b)], lambda r: r.time_draft_s)
-        forwards = float(sum(fit.time(b, int(w), context) for w in widths))
-        out[b] = draft - ar - forwards
+        if b in forwards:  # every round ran the same steps: the warm-up round's share taken out
+            total_steps = sum(r.n_steps for r in draft_runs) * (reps + 1) / reps
+            fwd = forwards[b][0] / total_steps
+        else:
+            fwd = float(sum(fit.time(b, int(w), context) for w in widths))
+        out[b] = draft - ar - fwd
     return out
 
 
