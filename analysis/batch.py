@@ -43,7 +43,8 @@ def batch_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
                         errors="coerce")
     data["predicted_decode_at_batch"] = dec.where(at_b == data[batch])
     cols = {"speedup": ["mean", "std"], "decode_speedup": ["mean"], "tokens_per_s": ["mean"],
-            "baseline_tokens_per_s": ["mean"], "predicted_at_batch": ["mean"],
+            "baseline_tokens_per_s": ["mean"], "baseline_decode_tokens_per_s": ["mean"],
+            "predicted_at_batch": ["mean"],
             "predicted_decode_at_batch": ["mean"], "break_even_batch": ["median"],
             "ar_tokens_per_s": ["mean"]}
     cols = {k: v for k, v in cols.items() if k in data.columns}
@@ -52,6 +53,43 @@ def batch_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
     out = data.groupby(["method", batch]).agg(cols)
     out.columns = [f"{k}_{a}" if a in ("std", "median") else k for k, a in out.columns]
     return out.reset_index().sort_values(["method", batch])
+
+
+# measured (the run's timers, seconds per batched step) vs predicted (specsim.batch) per term of the step
+TERMS = (  # (label, measured column, predicted column)
+    ("AR forward", "baseline_forward_step_s", "predicted_t_ar_forward_s"),
+    ("AR outside", "baseline_outside_step_s", "predicted_t_loop_s"),
+    ("spec forward", "forward_step_s", "predicted_t_forward_s"),
+    ("spec outside", "spec_outside_s", "predicted_spec_outside_s"),
+    ("spec step", "step_s", "predicted_t_step_s"),
+    ("forwards/batch", "forwards_per_batch", "predicted_batch_forwards"),
+)
+
+
+def terms_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
+    """Per speculative method × B (B ≥ 2: the runs priced with the batched loop) the step's terms measured
+    and predicted and their ratio predicted / measured − 1: the autoregressive step's target forward and
+    the loop's time outside it, the speculative step's target forward and its time outside it (drafting,
+    verification, commit, the rows' bookkeeping; predicted: the draft step + the loop's time), the whole
+    speculative step, and the forwards per static batch. Rows without the keys (older runs) are dropped."""
+    data = ok_runs(df).copy()
+    derived = ("spec_outside_s", "predicted_spec_outside_s")
+    need = [c for _, m, p in TERMS for c in (m, p) if c not in derived]
+    if any(c not in data.columns for c in need + ["predicted_t_draft_s"]):
+        return pd.DataFrame()
+    data = data[data["method"] != NO_DRAFTER]
+    num = lambda c: pd.to_numeric(data[c], errors="coerce")  # noqa: E731
+    data["spec_outside_s"] = num("step_s") - num("forward_step_s")
+    data["predicted_spec_outside_s"] = num("predicted_t_step_s") - num("predicted_t_forward_s")
+    rows = []
+    for (method, b), g in data.groupby(["method", batch]):
+        row = {"method": method, batch: int(b)}
+        for label, meas, pred in TERMS:
+            m, p_ = (pd.to_numeric(g[c], errors="coerce").mean() for c in (meas, pred))
+            row.update({f"{label} measured": m, f"{label} predicted": p_, f"{label} error": p_ / m - 1})
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    return out[out[batch] > 1].sort_values(["method", batch]) if len(out) else out
 
 
 def measured_break_even(table: pd.DataFrame, method: str, batch: str = BATCH) -> float | None:
@@ -132,6 +170,11 @@ def _throughput(ax: Axes, table: pd.DataFrame, prediction: pd.DataFrame | None, 
     if "baseline_tokens_per_s" in table:
         ar = table.groupby(batch)["baseline_tokens_per_s"].mean()
         ax.plot(ar.index, ar.values, "o-", color="0.2", label="batched AR, measured")
+    if "baseline_decode_tokens_per_s" in table and table["baseline_decode_tokens_per_s"].notna().any():
+        # what B / t(B, 1) prices: the decode steps, without the prompts' prefill (8-26% of the run)
+        dec = table.groupby(batch)["baseline_decode_tokens_per_s"].mean()
+        ax.plot(dec.index, dec.values, "s--", color="0.2", mfc="none",
+                label="batched AR, measured, decode only")
     model = None
     if prediction is not None and "ar_tokens_per_s" in prediction:
         p = prediction.rename(columns={"batch_size": batch}) if batch not in prediction else prediction

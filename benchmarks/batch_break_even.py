@@ -75,6 +75,7 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
     cfg = compose_run_config(f"method={method}", f"threads={threads}", "device=cpu", "hardware=cpu")
     profile = load_profile(profile_config(cfg))
     fit = load_batch_fit(cfg)
+    draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
     if profile is None or fit is None:
         raise SystemExit(f"no {'device profile' if profile is None else 't(B, n) fit'} for {method} on this "
                          "CPU: run `run.py task=calibrate method=...` / benchmarks/batch_cost.py first")
@@ -83,7 +84,8 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
                                            cfg.workload.context_tokens)
     rows = []
     for b in batch.BATCHES:
-        p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1))
+        p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1),
+                                   draft_fit=draft_fit)
         rows.append({"method": method, "batch_size": b, "predicted_speedup": p.predicted_speedup,
                      "predicted_tau": p.predicted_tau, "ar_tokens_per_s": p.ar_tokens_per_s,
                      "roofline_ar_tokens_per_s": b / float(roof.time(b, 1)),
@@ -107,22 +109,47 @@ def compare(sweep: str, prediction: pd.DataFrame, plot: str | None) -> None:
     for method in sorted(set(table["method"]) - {"autoregressive"}):
         sub = table[table["method"] == method].set_index("workload.batch_size")
         print(f"\n{method}: B, measured speedup (± sd), predicted S(B); measured decode speedup, the run's "
-              "predicted decode speedup (its length, static batch); batched AR tok/s measured, predicted")
+              "predicted decode speedup (its length, static batch); batched AR tok/s measured (with the "
+              "prompts' prefill, decode only), predicted (decode)")
         for b, row in sub.iterrows():
             p = pred.loc[int(b)] if int(b) in pred.index else None
             print(f"  {int(b):3d}  {row['speedup']:.3f} ± {row.get('speedup_std', float('nan')):.3f}   "
                   f"{p['predicted_speedup'] if p is not None else float('nan'):.3f}   "
                   f"{row.get('decode_speedup', float('nan')):.3f}  "
                   f"{row.get('predicted_decode_at_batch', float('nan')):.3f}   "
-                  f"{row['baseline_tokens_per_s']:8.1f}  "
+                  f"{row['baseline_tokens_per_s']:8.1f} "
+                  f"{row.get('baseline_decode_tokens_per_s', float('nan')):8.1f}  "
                   f"{p['ar_tokens_per_s'] if p is not None else float('nan'):8.1f}")
         measured = measured_break_even(table, method)
         top = int(sub.index.max())
         reached = f"{measured:.1f}" if measured is not None else f"not reached up to B = {top}"
         print(f"  B* measured {reached}, predicted {_fmt_b(prediction['break_even_batch'].iloc[0])}")
+    terms(df)
     if plot:
         paths = save(speedup_vs_batch(df, prediction=prediction), plot)
         print("figure:", ", ".join(map(str, paths)))
+
+
+def terms(df: pd.DataFrame) -> None:
+    """The step's terms at each B, measured (the runs' timers) and predicted (the runs' own prediction):
+    which term the speedup's miss comes from."""
+    from analysis.batch import TERMS, terms_table
+
+    table = terms_table(df)
+    if not len(table):
+        print("\n(no per-term keys in this sweep's metrics: runs older than the terms)")
+        return
+    for method, sub in table.groupby("method"):
+        print(f"\n{method}: per batched step, ms (forwards: per static batch), measured / predicted (error); "
+              "outside = the step less its target forward")
+        print(f"{'B':>3} " + " ".join(f"{label:>22s}" for label, _, _ in TERMS))
+        for _, r in sub.iterrows():
+            cells = []
+            for label, _, _ in TERMS:
+                k = 1.0 if label.startswith("forwards") else 1e3
+                cells.append(f"{r[label + ' measured'] * k:6.2f}/{r[label + ' predicted'] * k:6.2f} "
+                             f"({r[label + ' error']:+4.0%})")
+            print(f"{int(r['workload.batch_size']):3d} " + " ".join(f"{c:>22s}" for c in cells))
 
 
 def main() -> None:

@@ -8,11 +8,13 @@ did not see (leave one context out, when two or more were timed), and the hardwa
 roofline.
 
     python benchmarks/batch_cost.py                                  # zoo target, bf16, 1 thread
-    python benchmarks/batch_cost.py --contexts 160 512 --reps 5 --json out.json
+    python benchmarks/batch_cost.py --contexts 128 192 --reps 5 --json out.json
     python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
     python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
 
-Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row.
+Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
+the target also the batched decode loop's time per step outside the forward, at each B (its own timers,
+methods.measurement.batch_cost.time_loop), which the simulator adds to every batched step.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ Grid = dict[tuple[int, int, int], float]  # (B, n, context) → seconds
 def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     import torch
 
-    from methods.measurement.batch_cost import time_grid
+    from methods.measurement.batch_cost import time_draft_loop, time_grid, time_loop
     from methods.models import load_models
     from run import compose_run_config
 
@@ -47,8 +49,20 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     model = models.draft if args.draft else models.target
     assert model is not None, f"model={args.model} has no draft model"
     grid = time_grid(model, args.batches, args.sizes, args.contexts, args.reps, stat=stat)
+    ctx = min(args.contexts)
+    if args.draft:  # the draft step's work outside its forwards (top-k, catch-up, commit), vanilla's chain
+        from methods.core.sampling import SamplingParams
+        from methods.drafters.registry import build_drafter
+        from specsim.batch import fit_batch_cost
+        from specsim.tree import Tree
+
+        drafter = build_drafter(cfg.method, Tree.chain(int(cfg.tree.gamma)), models, SamplingParams(0.0))
+        fit = fit_batch_cost(grid, ctx)
+        loop = time_draft_loop(models.target, drafter, fit, args.batches, ctx, reps=args.reps)
+    else:
+        loop = time_loop(model, args.batches, ctx, reps=args.reps)
     return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
-                  "role": "draft" if args.draft else "target"}
+                  "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()]}
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
@@ -56,7 +70,8 @@ def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
     return float(np.median(e)), float(e.max())
 
 
-def report(grid: Grid, args: argparse.Namespace) -> BatchFit:
+def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float]) -> BatchFit:
+    from methods.measurement.batch_cost import with_loop
     from run import compose_run_config
 
     keys = sorted(grid)
@@ -66,7 +81,8 @@ def report(grid: Grid, args: argparse.Namespace) -> BatchFit:
     fit = fit_batch_cost(grid, ref_ctx)
     pred = fit.time(b, n, c)
     print(f"\nfit ({fit.form}): t0 {fit.t0 * 1e3:.3f} ms, w {fit.w * 1e3:.3f} ms, "
-          f"kv {fit.kv * 1e9:.3f} ns/(row·tok), tok {fit.tok * 1e6:.2f} us/tok, "
+          f"kv {fit.kv * 1e9:.3f} ns/(row·tok) (n >= 2: {(fit.kv_tree or fit.kv) * 1e9:.3f}), "
+          f"tok {fit.tok * 1e6:.2f} us/tok, "
           f"att {fit.att * 1e9:.4f} ns/(tok·pos)")
     print(f"{'B':>3} {'n':>3} {'ctx':>4} {'measured ms':>12} {'fit ms':>9} {'err':>7}")
     for k, tm, tp in zip(keys, t, pred):
@@ -87,10 +103,19 @@ def report(grid: Grid, args: argparse.Namespace) -> BatchFit:
     print(f"\n{'t(B, n) prediction':45s} {'median err':>10} {'max err':>8}   ({len(t)} points)")
     for name, med, mx in rows:
         print(f"{name:45s} {med:10.1%} {mx:8.1%}")
+    if loop:
+        fit = with_loop(fit, loop)
+        what = ("draft step outside its forwards (chain, in the loop)" if args.draft
+                else "batched loop outside the forward (autoregressive)")
+        print(f"\n{what}, context {ref_ctx}: {fit.loop0 * 1e3:.3f} ms + {fit.loop_row * 1e6:.1f} us per row")
+        for bb, tt in sorted(loop.items()):
+            t_fwd = float(fit.time(bb, 1, ref_ctx))
+            print(f"  B {bb:3d}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} fitted "
+                  f"({tt / t_fwd:.0%} of a 1-token forward)")
     return fit
 
 
-def store(fit: BatchFit, grid: Grid, args: argparse.Namespace) -> None:
+def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float]) -> None:
     import torch
 
     from methods.measurement.batch_cost import batch_profile_path, save_batch_fit
@@ -99,7 +124,7 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
                              "device=cpu")
-    path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid)
+    path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid, loop)
     print(f"\nstored: {path}")
 
 
@@ -108,7 +133,9 @@ def main() -> None:
     ap.add_argument("--model", default="zoo")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[160, 512])
+    # the KV lengths the loop runs at: the code workload's prompt (128) to prompt + max_new (192); the KV
+    # term is not linear far beyond them (caches), so a grid at 512 biases the fit at 160 by ~10%
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--reps", type=int, default=5)
@@ -127,13 +154,14 @@ def main() -> None:
         args.model, args.dtype, args.threads = doc["model"], doc["dtype"], doc["threads"]
         args.draft = doc.get("role") == "draft"
     else:
-        grid, meta = measure(args)
+        grid, doc = measure(args)
         if args.json:
             rows = [[*k, v] for k, v in sorted(grid.items())]
-            Path(args.json).write_text(json.dumps({**meta, "grid": rows}))
-    fit = report(grid, args)
+            Path(args.json).write_text(json.dumps({**doc, "grid": rows}))
+    loop = {int(b): float(t) for b, t in doc.get("loop", [])}
+    fit = report(grid, args, loop)
     if not args.no_store:
-        store(fit, grid, args)
+        store(fit, grid, args, loop)
 
 
 if __name__ == "__main__":

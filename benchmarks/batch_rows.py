@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     profile = load_profile(profile_config(cfg))
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
     fit, sweep = load_batch_fit(cfg), sweep_speedups(args.sweep, args.method) if args.sweep else {}
+    draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
     rows = []
     for b in batches:
         c = replace(pcfg, workload=replace(pcfg.workload, batch_size=b))
-        one = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False)
-        mix = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False, prompt_hists=hists)
+        one = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False, draft_fit=draft_fit)
+        mix = predict_at_batch(c, cost, fit, tree=tree, with_break_even=False, prompt_hists=hists,
+                               draft_fit=draft_fit)
         rows.append({"B": b, "measured_forwards": measured[b], "one_law_forwards": one.batch_forwards,
                      "mixture_forwards": mix.batch_forwards,
                      "loop_law_forwards": batch_forwards(loop_law, args.new_tokens, b),

@@ -16,12 +16,20 @@ token costs what an autoregressive token does, so speculation's gain τ shrinks 
 a loss. The measured variant (:class:`BatchFit`) fits the same five physical terms to a timed grid:
 
     t(B, n) = t0 + max(w + kv · B · context, tok · B · n + att · B · n · (context + n))   (form "max")
-    or the sum of the two parts (form "sum": a CPU overlaps memory and compute little).
+    or the sum of the two parts (form "sum": a CPU overlaps memory and compute little); kv is kv_tree for
+    forwards of n ≥ 2 tokens: attention kernels read the cache differently for one query than for several
+    (on this CPU, bf16 SDPA with a mask: 2.3x the per-row·token time of the 1-query path, timed).
 
 Speedup per row at batch B: S(B) = τ · t(B, 1) / (t_draft(B) + t(B, n)) (the batched autoregressive step
 over the batched speculative step; τ = k̄ per row, bonus included). B* = the smallest B with S(B) < 1.
 Draft cost at B: the draft model's own batched roofline (``method.draft_cost=roofline``), a measured draft
 fit, or — for costs given as ratios of t(1) — growing as the target's t(B, 1) does.
+
+On a measured device (a profile and a fit, :class:`BatchedLoop`) a step at B ≥ 2 is priced as the batched
+loop runs it — another engine than the one-sequence loop the profile timed: the batched engine's forward
+fit(B, n) at the workload's context, plus the batched loop's own work outside the forward (timed by running
+it: loop0 + loop_row · B), plus, for a draft model with a fit of its own, one draft forward of B rows per
+tree level. B = 1 stays the profile's one-sequence step (task=measure decodes a batch of one alone).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import numpy as np
 from specsim.config import HardwareConfig, RunConfig
 from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
 
-BATCH_FIT_FORMAT = 1  # bump when BatchFit's fields or their meaning change
+BATCH_FIT_FORMAT = 2  # bump when BatchFit's fields or their meaning change (2: the loop's own time)
 BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
 MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
 
@@ -115,7 +123,7 @@ class BatchRoofline:
         return self.model.weight_bytes / self.bandwidth * self.flops / (2.0 * self.model.params)
 
 
-FIT_TERMS = ("t0", "w", "kv", "tok", "att")
+FIT_TERMS = ("t0", "w", "kv", "tok", "att", "kv_tree")
 
 
 @dataclass(frozen=True)
@@ -132,11 +140,21 @@ class BatchFit:
     source: str = "measured"
     rel_error_median: float = 0.0  # of the fit over the grid it was fitted to
     rel_error_max: float = 0.0
+    # the batched decode loop's work per step outside the forward (verification, commit, per-row host
+    # bookkeeping), timed by running the loop autoregressively: loop0 + loop_row · B seconds
+    loop0: float = 0.0
+    loop_row: float = 0.0
+    kv_tree: float | None = None  # per row and cached token in a forward of n >= 2 tokens (None: kv)
+
+    def loop_time(self, batch: Any) -> float | np.ndarray:
+        t = self.loop0 + self.loop_row * np.asarray(batch, float)
+        return float(t) if np.ndim(t) == 0 else t
 
     def time(self, batch: Any, n: Any, context: int | None = None) -> float | np.ndarray:
         b, n = np.asarray(batch, float), np.asarray(n, float)
         ctx = np.asarray(self.context_tokens if context is None else context, float)
-        memory = self.w + self.kv * b * ctx
+        kv = self.kv if self.kv_tree is None else np.where(n > 1, self.kv_tree, self.kv)
+        memory = self.w + kv * b * ctx
         compute = self.tok * b * n + self.att * b * n * (ctx + n)
         t = self.t0 + (np.maximum(memory, compute) if self.form == "max" else memory + compute)
         return float(t) if np.ndim(t) == 0 else t
@@ -150,7 +168,8 @@ class BatchFit:
 
 
 def _predict(params: np.ndarray, b: np.ndarray, n: np.ndarray, ctx: Any, form: str) -> np.ndarray:
-    return BatchFit(*params, context_tokens=0, form=form).time(b, n, ctx)
+    *five, kv_tree = params
+    return BatchFit(*five, context_tokens=0, form=form, kv_tree=kv_tree).time(b, n, ctx)
 
 
 def fit_batch_cost(grid: Mapping[tuple[int, ...], float], context: int,
@@ -158,7 +177,7 @@ def fit_batch_cost(grid: Mapping[tuple[int, ...], float], context: int,
     """Least squares on log t (relative errors) over ``grid`` ((B, n) → seconds at ``context`` cached
     tokens, or (B, n, context) → seconds for grids over several contexts), every term >= 0; the form with
     the smaller median relative error is kept. The fit's ``context_tokens`` is ``context``. The w and kv
-    terms are told apart by B, tok and att by n and the context."""
+    terms are told apart by B, tok and att by n and the context, kv and kv_tree by n = 1 against n ≥ 2."""
     from scipy.optimize import least_squares  # a dependency of specsim; imported where it is used
 
     keys = sorted(grid)
@@ -171,11 +190,12 @@ def fit_batch_cost(grid: Mapping[tuple[int, ...], float], context: int,
     t11 = float(t[np.argmin(b * n)])
     best: BatchFit | None = None
     for form in forms:
-        x0 = np.array([0.3 * t11, 0.5 * t11, 1e-9, t11 / 50, 1e-9])
+        x0 = np.array([0.3 * t11, 0.5 * t11, 1e-9, t11 / 50, 1e-9, 1e-9])
         res = least_squares(lambda p, f=form: np.log(_predict(p, b, n, ctx, f)) - np.log(t),
                             x0, bounds=(0.0, np.inf), x_scale=np.maximum(x0, 1e-9))
         err = np.abs(_predict(res.x, b, n, ctx, form) / t - 1)
-        fit = BatchFit(*(float(v) for v in res.x), context_tokens=int(context), form=form,
+        *five, kv_tree = (float(v) for v in res.x)
+        fit = BatchFit(*five, context_tokens=int(context), form=form, kv_tree=kv_tree,
                        rel_error_median=float(np.median(err)), rel_error_max=float(err.max()))
         if best is None or fit.rel_error_median < best.rel_error_median:
             best = fit
@@ -215,6 +235,27 @@ class Anchored:
 
 
 @dataclass(frozen=True)
+class BatchedLoop:
+    """t(B, n) of a step of the batched decode loop on this device, in seconds: the batched engine's verify
+    forward as the fit prices it at its ``context_tokens`` plus the loop's measured time outside the forward
+    (``fit.loop_time``); B = 1 is the one-sequence loop's measured step (``base``, the device profile):
+    task=measure decodes a batch of one with it, and the two engines cost differently (the batched one
+    builds a per-row mask and writes KV by index). Absolute times, not ratios of the profile: the profile
+    times another engine, whose t(1) grown by fit(B, n) / fit(1, n) under-read the batched loop's steps.
+    The fit and the run must be timed under the same load (a quiet machine)."""
+
+    base: TargetCost
+    fit: BatchFit
+    source: str = "measured"
+
+    def time(self, batch: Any, n: Any) -> float | np.ndarray:
+        b, n = np.broadcast_arrays(np.asarray(batch, float), np.asarray(n, float))
+        batched = np.asarray(self.fit.time(b, n)) + np.asarray(self.fit.loop_time(b))
+        t = np.where(b <= 1, np.asarray(self.base.time(n)), batched)
+        return float(t) if np.ndim(t) == 0 else t
+
+
+@dataclass(frozen=True)
 class BatchCostModel:
     """A CostModel (the single-row one) and the batched target t(B, n); ``draft`` prices the draft model's
     step at B (a BatchCost over B rows × w nodes of a level), None = as the target's t(B, 1) grows."""
@@ -227,16 +268,20 @@ class BatchCostModel:
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
                     draft_fit: BatchFit | None = None) -> BatchCostModel:
         """The roofline of hardware × model at B rows, or — with a measured ``profile`` t(n) and this
-        device's ``fit`` — the profile grown with B (:class:`Anchored`). A measured profile without a fit
-        falls back to the roofline's growth (t_profile(n) · roofline(B, n) / roofline(1, n))."""
+        device's ``fit`` — the batched loop's measured step at B ≥ 2 (:class:`BatchedLoop`, the fit at the
+        workload's context). A measured profile without a fit falls back to the roofline's growth
+        (t_profile(n) · roofline(B, n) / roofline(1, n), :class:`Anchored`). ``draft_fit``: the draft
+        model's own batched forward, priced at the workload's context too."""
         single = CostModel.from_config(cfg, profile)
         context = cfg.workload.context_tokens
         roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), context)
         if profile is None:
             target: Any = roof
+        elif fit is None:
+            target = Anchored(profile, _as_fit(roof))
         else:
-            target = Anchored(profile, fit if fit is not None else _as_fit(roof))
-        draft: Any = draft_fit
+            target = BatchedLoop(profile, replace(fit, context_tokens=int(context)))
+        draft: Any = None if draft_fit is None else replace(draft_fit, context_tokens=int(context))
         if draft is None and single.draft.model is not None:  # draft_cost=roofline: its own rows too
             draft = BatchRoofline.from_roofline(single.draft.model)
         return cls(single, target, draft)
@@ -247,6 +292,12 @@ class BatchCostModel:
         d = self.single.draft
         if d.model is not None and isinstance(self.draft, BatchRoofline):
             draft = replace(d, model=AtBatch(self.draft, int(batch), "roofline"))
+        elif self.draft_forwards(batch):  # the draft model's batched forward, one per tree level
+            # plus its step's measured work outside them (the draft fit's loop terms), per step
+            tb1 = float(self.target.time(batch, 1))
+            fixed = (d.fixed_ratio * float(self.target.time(1, 1)) + self.draft.loop_time(batch)) / tb1
+            draft = replace(d, model=AtBatch(self.draft, int(batch), "draft fit"), ratio=0.0,
+                            fixed_ratio=fixed, fed_width=False)
         else:  # ratios of t(1): rescale so that ratio · t(B, 1) = the draft step at B
             t11, tb1 = float(self.target.time(1, 1)), float(self.target.time(batch, 1))
             grow = tb1 / t11 if self.draft is None else (
@@ -254,6 +305,13 @@ class BatchCostModel:
             scale = grow * t11 / tb1
             draft = replace(d, ratio=d.ratio * scale, fixed_ratio=d.fixed_ratio * scale)
         return replace(self.single, target=target, draft=draft)
+
+    def draft_forwards(self, batch: int) -> bool:
+        """The draft step at ``batch`` is the measured draft fit's forwards (a draft model drafting level
+        by level, at B ≥ 2 on a measured device) rather than a ratio of t(1)."""
+        d = self.single.draft
+        return (batch > 1 and isinstance(self.draft, BatchFit) and isinstance(self.target, BatchedLoop)
+                and d.model is None and not d.one_pass)
 
 
 def _as_fit(r: BatchRoofline) -> BatchFit:
@@ -307,6 +365,8 @@ class BatchPrediction:
     # refills rows: one row's mean); the measured counterpart is decode_speedup
     predicted_decode_speedup: float = float("nan")
     batch_forwards: float = float("nan")  # E[forwards] of the batch (the autoregressive side: n)
+    t_verify_s: float = float("nan")  # the step's terms: the verify (target forward and loop work at B)
+    t_draft_s: float = float("nan")  # and the drafting at B (t_step_s = their sum)
 
     def to_metrics(self, prefix: str = "") -> dict[str, Any]:
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
@@ -450,7 +510,7 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
         forwards = mixture_batch_forwards(laws, n, rows)
     decode = n * at.ar_time / (forwards * step) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
-                           at.target.source, decode, forwards)
+                           at.target.source, decode, forwards, at.tree_verify_time(t), at.draft_time(t))
 
 
 def best_budget_by_batch(cfg: RunConfig, batches: Sequence[int] = BATCHES,

@@ -5,6 +5,9 @@ The timed forward is the batched decode loop's own verify forward (methods.core.
 tree attention per row, the lean Llama forward on CPU) before any loop bookkeeping: every row has the same
 context length, each row verifies a chain of n nodes (a tree of n nodes costs the same forward, only its
 mask differs), and the nodes are dropped after each forward, so every repetition sees the same KV length.
+The batched decode loop's own work per step outside the forward (verification, commit, per-row host
+bookkeeping) is timed by running that loop (methods.core.batch_loop.decode_batch, autoregressively) at each
+B and read from its timers (:func:`time_loop`); loop0 + loop_row · B is fitted to it (:func:`fit_loop`).
 The fitted coefficients are stored next to the device profiles (<cache>/profiles/batch-<key>.json),
 keyed by the target model, device, threads and torch version (:func:`batch_key`), with their own format
 number: the single-row profile format is unchanged.
@@ -17,9 +20,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from methods.measurement.profiles import cache_root, key_document
@@ -81,6 +86,111 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
+def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Sequence[int], context: int,
+                steps: int, reps: int, seed: int) -> dict[tuple[str, int], list[Any]]:
+    """(side, B) → the BatchResults of ``reps`` runs of the batched decode loop on ``model`` (the first round
+    warms up): B random prompts of ``context`` tokens decoded ``steps`` tokens each (no EOS) by each side
+    (name → its batched drafter at B rows), sides and batches interleaved round by round."""
+    from methods.core.batch_engine import BatchEngine
+    from methods.core.batch_loop import decode_batch
+    from methods.core.loop import DecodeOptions
+
+    g = torch.Generator().manual_seed(seed + 2)
+    vocab = int(model.config.vocab_size)
+    prompts = {b: [torch.randint(0, vocab, (context + 1,), generator=g) for _ in range(b)] for b in batches}
+    engines = {b: BatchEngine(model, b, capacity=context + 2 * steps + 2) for b in batches}
+    drafters = {(name, b): make(b) for name, make in sides.items() for b in batches}
+    opts = DecodeOptions(max_new_tokens=steps)
+    out: dict[tuple[str, int], list[Any]] = {key: [] for key in drafters}
+    for r in range(reps + 1):
+        for (name, b), side in drafters.items():
+            res = decode_batch(engines[b], side, prompts[b], opts, torch.Generator())
+            if r:
+                out[(name, b)].append(res)
+    return out
+
+
+def _per_step(results: list[Any], seconds: Callable[[Any], float]) -> float:
+    return statistics.median(seconds(r) / r.n_steps for r in results)
+
+
+def _outside(r: Any) -> float:
+    return r.time_total_s - r.time_prefill_s - r.time_forward_s
+
+
+def time_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
+              seed: int = 0) -> dict[int, float]:
+    """B → median over ``reps`` runs of the batched decode loop's seconds per step outside the target
+    forward ((total − prefill − forward) / steps, the loop's own timers), decoding autoregressively."""
+    from methods.core.batch_drafter import batched
+    from methods.drafters.autoregressive import Autoregressive
+
+    sides = {"ar": lambda b: batched(Autoregressive(), b)}
+    runs = _loop_steps(model, sides, batches, context, steps, reps, seed)
+    return {b: _per_step(runs[("ar", b)], _outside) for b in batches}
+
+
+def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[int], context: int,
+                    steps: int = 16, reps: int = 3, seed: int = 0) -> dict[int, float]:
+    """B → the batched draft step's seconds outside the draft model's forwards: the loop's draft timer per
+    step with ``drafter`` (a draft model drafting its tree level by level) less the autoregressive loop's
+    at the same B (the per-row bookkeeping both timers hold, priced by the target's :func:`time_loop`)
+    less the draft model's forwards — timed in the same loop where the batched drafter has an engine (its
+    ``extend`` calls), so that the difference holds no load the forwards met, else one forward per level
+    as ``fit`` prices it: top-k, catching up with the committed tokens, the draft cache's commit."""
+    from methods.core.batch_drafter import batched
+    from methods.drafters.autoregressive import Autoregressive
+
+    forwards: dict[int, list[float]] = {}  # B → seconds in the draft's forwards, over every round
+
+    def draft_side(b: int) -> Any:
+        side = batched(drafter, b)
+        engine = getattr(side, "engine", None)
+        if engine is not None:
+            forwards[b] = [0.0]
+            inner = engine.extend
+
+            def extend(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = inner(*args, **kwargs)
+                forwards[b][0] += time.perf_counter() - t0
+                return out
+
+            engine.extend = extend  # this instance only: a timer around the draft's forwards
+        return side
+
+    sides = {"ar": lambda b: batched(Autoregressive(), b), "draft": draft_side}
+    runs = _loop_steps(target, sides, batches, context, steps, reps, seed)
+    widths = drafter.tree.level_sizes()[: drafter.tree.depth]
+    out = {}
+    for b in batches:
+        draft_runs = runs[("draft", b)]
+        draft = _per_step(draft_runs, lambda r: r.time_draft_s)
+        ar = _per_step(runs[("ar", b)], lambda r: r.time_draft_s)
+        if b in forwards:  # every round ran the same steps: the warm-up round's share taken out
+            total_steps = sum(r.n_steps for r in draft_runs) * (reps + 1) / reps
+            fwd = forwards[b][0] / total_steps
+        else:
+            fwd = float(sum(fit.time(b, int(w), context) for w in widths))
+        out[b] = draft - ar - fwd
+    return out
+
+
+def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
+    """(loop0, loop_row) ≥ 0: least squares of loop0 + loop_row · B on the timed loop (B → seconds; a
+    negative time, a draft fit over-reading the loop's forwards, counts as 0)."""
+    b = np.array(sorted(loop), float)
+    t = np.maximum(np.array([loop[int(x)] for x in b]), 0.0)
+    if len(b) < 2:
+        return float(t.mean()), 0.0
+    slope, icpt = np.polyfit(b, t, 1)
+    if slope < 0:
+        return float(t.mean()), 0.0
+    if icpt < 0:
+        return 0.0, float((b @ t) / (b @ b))
+    return float(icpt), float(slope)
+
+
 ENGINE_VERSION = 2  # BatchEngine's forward: 2 = KV cache and attention in the model's dtype (bf16 on CPU)
 ROLES = ("target", "draft")  # whose forward was timed: the target p, or the draft model q (vanilla)
 
@@ -102,9 +212,11 @@ def batch_profile_path(cfg: RunConfig, cache: Path | None = None, role: str = "t
     return (cache or cache_root()) / "profiles" / f"{batch_key(cfg, role)}.json"
 
 
-def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float]) -> Path:
+def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float],
+                   loop: dict[int, float] | None = None) -> Path:
     doc = {"format": BATCH_FIT_FORMAT, "fit": fit.to_json(),
-           "grid": [[*k, t] for k, t in sorted(grid.items())]}
+           "grid": [[*k, t] for k, t in sorted(grid.items())],
+           "loop": [[b, t] for b, t in sorted((loop or {}).items())]}
     return atomic_write_json(path, doc)
 
 
@@ -123,11 +235,28 @@ def load_batch_fit(cfg: RunConfig, cache: Path | None = None, role: str = "targe
 
 def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
                     batches: Sequence[int] = GRID_BATCHES, sizes: Sequence[int] = GRID_TOKENS,
-                    reps: int = 5, warmup: int = 1, cache: Path | None = None, role: str = "target"
+                    reps: int = 5, warmup: int = 1, cache: Path | None = None, role: str = "target",
+                    target: Any = None, drafter: Any = None
                     ) -> tuple[BatchFit, dict[tuple[int, int, int], float], Path]:
     """Time the grid of ``model`` (``cfg``'s target, or its draft model with ``role="draft"``), fit
-    specsim.batch's form to it (its context_tokens: the first of ``contexts``), store both; returns (fit,
-    grid, path)."""
+    specsim.batch's form to it (its context_tokens: the first of ``contexts``) and the loop's time outside
+    the forwards at the first context — the target's: :func:`time_loop`; the draft's, given the ``target``
+    model and the ``drafter`` on ``model``: :func:`time_draft_loop` — store them; returns (fit, grid,
+    path)."""
     grid = time_grid(model, batches, sizes, contexts, reps, warmup, cfg.seed)
     fit = fit_batch_cost(grid, contexts[0])
-    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid)
+    if role == "target":
+        loop = time_loop(model, batches, contexts[0], reps=reps, seed=cfg.seed)
+    elif drafter is not None:
+        loop = time_draft_loop(target, drafter, fit, batches, contexts[0], reps=reps, seed=cfg.seed)
+    else:
+        loop = {}
+    if loop:
+        fit = with_loop(fit, loop)
+    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop)
+
+
+def with_loop(fit: BatchFit, loop: dict[int, float]) -> BatchFit:
+    """``fit`` with the loop's time outside the forward fitted to ``loop`` (B → seconds per step)."""
+    loop0, loop_row = fit_loop(loop)
+    return replace(fit, loop0=loop0, loop_row=loop_row)

@@ -260,8 +260,12 @@ def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.T
 
 
 def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, Any]:
-    """A batched run's own keys. The predictions are still the one-sequence simulator's (no t(B, n) yet)."""
-    return {
+    """A batched run's own keys, and its step split into the terms the prediction prices (seconds per
+    batched step, decode only): ``*step_s`` the step, ``*forward_step_s`` the target forward,
+    ``draft_step_s`` the drafter's propose + feedback (with the loop's per-row bookkeeping between verify
+    and feedback), ``*outside_step_s`` the rest (verification, commit); ``*forwards_per_batch``: steps of
+    a static batch (all its rows' steps, the slowest row's); ``*decode_tokens_per_s``: without prefill."""
+    return {**_step_terms(method, ""), **_step_terms(base, "baseline_"),
         "batch_size": cfg.workload.batch_size,
         "continuous": cfg.workload.continuous,
         "time_forward_s": method.forward_s,
@@ -270,6 +274,19 @@ def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, 
         "outside_forward_fraction": 1 - method.forward_s / max(method.seconds - method.prefill_s, 1e-12),
         "baseline_outside_forward_fraction": 1 - base.forward_s / max(base.seconds - base.prefill_s, 1e-12),
     }
+
+
+def _step_terms(t: _Totals, prefix: str) -> dict[str, float]:
+    steps = max(t.forwards, 1)
+    step = (t.seconds - t.prefill_s) / steps
+    draft = t.draft_s / steps if prefix == "" else 0.0  # the baseline's draft is not timed apart
+    out = {"step_s": step, "forward_step_s": t.forward_s / steps,
+           "outside_step_s": step - t.forward_s / steps - draft,
+           "forwards_per_batch": t.forwards / max(len(t.steps), 1),
+           "decode_tokens_per_s": t.decode_tokens_per_s, "prefill_share": t.prefill_s / max(t.seconds, 1e-12)}
+    if prefix == "":
+        out["draft_step_s"] = draft
+    return {f"{prefix}{k}": v for k, v in out.items()}
 
 
 def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str, Any]) -> dict[str, Any]:
@@ -294,11 +311,23 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                predicted_tokens_per_forward=cfg.workload.max_new_tokens / pred.batch_forwards,
                prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
                predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
+               predicted_t_verify_s=pred.t_verify_s, predicted_t_draft_s=pred.t_draft_s,
+               **_forward_terms(pred, fit if profile is not None else None),
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
                batch_cost_source="fit" if fit is not None else "roofline growth",
                batch_draft_cost_source="draft fit" if draft_fit is not None else "as the target grows",
                batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law")
     return out
+
+
+def _forward_terms(pred, fit) -> dict[str, float | None]:
+    """The predicted step's target forwards alone and the batched loop's time outside them (None without a
+    fit or a profile: the roofline, or the profile grown by it, prices whole steps)."""
+    if fit is None:
+        return {"predicted_t_loop_s": None, "predicted_t_forward_s": None, "predicted_t_ar_forward_s": None}
+    loop = float(fit.loop_time(pred.batch_size))
+    return {"predicted_t_loop_s": loop, "predicted_t_forward_s": pred.t_verify_s - loop,
+            "predicted_t_ar_forward_s": pred.t_ar_s - loop}
 
 
 def _prompt_hists(profile, tree: Tree) -> list | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from methods.measurement import batch_cost
@@ -60,3 +61,34 @@ def test_every_fit_term_is_a_physical_time(field):
     fit = BatchFit(1e-3, 2e-3, 1e-8, 1e-5, 1e-9, 100, form="sum")
     bigger = dataclasses.replace(fit, **{field: getattr(fit, field) * 2})
     assert bigger.time(4, 8) > fit.time(4, 8)  # each of the five terms adds time
+
+
+def test_fit_loop_recovers_a_line_and_never_goes_negative():
+    assert batch_cost.fit_loop({1: 3e-4, 2: 4e-4, 8: 1e-3}) == pytest.approx((2e-4, 1e-4))
+    loop0, row = batch_cost.fit_loop({1: 5e-4, 4: 4e-4, 16: 3e-4})  # falling: a constant
+    assert row == 0.0 and loop0 == pytest.approx(4e-4)
+    loop0, row = batch_cost.fit_loop({2: 1e-4, 4: 5e-4, 8: 13e-4})  # a negative intercept: through 0
+    assert loop0 == 0.0 and row > 0
+    assert batch_cost.fit_loop({4: -1e-4, 8: -2e-4}) == (0.0, 0.0)
+
+
+def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tmp_path, run_config):
+    """Real timings of a tiny model through the batched loop: only that each B has one, and that the fit
+    carries it, is asserted. The draft's: the vanilla drafter in the loop less its fitted forwards."""
+    from methods.core.sampling import SamplingParams
+    from methods.drafters.registry import build_drafter
+    from specsim.tree import Tree
+
+    loop = batch_cost.time_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
+    assert set(loop) == {1, 2} and all(t > 0 for t in loop.values())
+    cfg = run_config("model=micro", "threads=1", "device=cpu")
+    fit, _, path = batch_cost.calibrate_batch(cfg, tiny_models.target, [8], [1, 2, 3], [1, 2, 4], reps=1,
+                                              warmup=0, cache=tmp_path)
+    assert fit.loop0 + fit.loop_row > 0 and batch_cost.load_batch_fit(cfg, tmp_path) == fit
+    drafter = build_drafter(cfg.method, Tree.chain(2), tiny_models, SamplingParams(0.0))
+    draft_loop = batch_cost.time_draft_loop(tiny_models.target, drafter, fit, [1, 2], 8, steps=3, reps=1)
+    assert set(draft_loop) == {1, 2} and all(np.isfinite(t) for t in draft_loop.values())
+    dfit, _, _ = batch_cost.calibrate_batch(cfg, tiny_models.draft, [8], [1, 2, 3], [1, 2, 4], reps=1,
+                                            warmup=0, cache=tmp_path, role="draft",
+                                            target=tiny_models.target, drafter=drafter)
+    assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit

@@ -270,3 +270,57 @@ def test_a_draft_fit_prices_the_draft_step_at_batch(seven_b):
     assert at["steep"][0].predicted_speedup == pytest.approx(at["none"][0].predicted_speedup)
     assert at["flat"][1].t_step_s < at["steep"][1].t_step_s
     assert at["flat"][1].predicted_speedup > at["steep"][1].predicted_speedup
+
+
+def test_the_batched_loop_is_priced_by_the_fit_and_the_loop_not_by_the_profile():
+    """On a measured device a step at B >= 2 is the batched engine's forward at the fit's context plus the
+    batched loop's own time (loop0 + loop_row·B), whatever the one-sequence profile reads; B = 1 is the
+    profile (the one-sequence loop decodes a batch of one)."""
+    profile = MeasuredCost((1, 4, 16), (3e-3, 3.3e-3, 4.5e-3))
+    fit = BatchFit(t0=4e-3, w=0.0, kv=1e-8, tok=1e-4, att=0.0, context_tokens=160, form="sum",
+                   loop0=2e-4, loop_row=3e-5)
+    cost = batch.BatchedLoop(profile, fit)
+    n = np.array([1, 4, 16])
+    np.testing.assert_allclose(cost.time(1, n), profile.time(n))
+    for b in (2, 16):
+        np.testing.assert_allclose(cost.time(b, n), fit.time(b, n) + 2e-4 + 3e-5 * b)
+    faster = MeasuredCost((1, 4, 16), (1e-3, 1.1e-3, 1.5e-3))  # another engine's steps: not read at B > 1
+    np.testing.assert_allclose(batch.BatchedLoop(faster, fit).time(8, n), cost.time(8, n))
+    longer = dataclasses.replace(fit, context_tokens=512)
+    assert batch.BatchedLoop(profile, longer).time(8, 1) > cost.time(8, 1)  # KV reads grow with the context
+
+
+def test_a_measured_device_prices_the_loop_at_the_workloads_context_and_the_draft_per_level(run_config):
+    """BatchCostModel with a profile and fits: the target fit is read at workload.context_tokens, and the
+    draft step at B >= 2 is one draft-fit forward per tree level plus the draft fit's own loop time."""
+    cfg = run_config("model=zoo", "hardware=cpu", "method=vanilla", "tree=chain", "tree.gamma=4",
+                     "workload.context_tokens=300", "method.draft_cost_ratio=0.2")
+    profile = MeasuredCost((1, 5), (3e-3, 3.2e-3))
+    fit = BatchFit(4e-3, 0.0, 1e-8, 1e-4, 0.0, 160, "sum", loop0=2e-4, loop_row=3e-5)
+    draft = BatchFit(6e-4, 0.0, 1e-9, 1e-5, 0.0, 160, "sum", loop0=5e-4, loop_row=2e-5)
+    cost = BatchCostModel.from_config(cfg, profile, fit, draft)
+    tree = Tree.chain(4)
+    at16 = cost.at(16)
+    assert at16.ar_time == pytest.approx(fit.time(16, 1, 300) + fit.loop_time(16))
+    want = 4 * draft.time(16, 1, 300) + draft.loop_time(16)
+    assert at16.draft_time(tree) == pytest.approx(want)
+    one = cost.at(1)  # B = 1: the one-sequence profile and its draft ratio
+    assert one.ar_time == pytest.approx(3e-3)
+    assert one.draft_time(tree) == pytest.approx(4 * 0.2 * 3e-3)
+    p = batch.predict_at_batch(cfg, profile, fit, tree=tree, batch_size=16, draft_fit=draft,
+                               with_break_even=False)
+    assert p.t_step_s == pytest.approx(p.t_verify_s + p.t_draft_s)
+    assert p.t_draft_s == pytest.approx(want)
+
+
+def test_the_fit_tells_the_one_query_kv_read_from_the_trees():
+    """Forwards of n >= 2 tokens read the cache at another rate (kv_tree) than 1-token ones: a grid made
+    with one is fitted back, and a fit without it prices both alike."""
+    truth = BatchFit(t0=1e-3, w=2e-3, kv=1e-9, tok=5e-5, att=0.0, context_tokens=160, form="sum",
+                     kv_tree=3e-9)
+    grid = {(b, n, c): float(truth.time(b, n, c)) for b in (1, 2, 4, 8, 16, 32) for n in (1, 2, 4, 8)
+            for c in (128, 192)}
+    fit = fit_batch_cost(grid, 128)
+    assert fit.rel_error_max < 0.01 and fit.kv_tree == pytest.approx(3e-9, rel=0.05)
+    plain = dataclasses.replace(truth, kv_tree=None)
+    assert plain.time(16, 2) - plain.time(16, 1) < truth.time(16, 2) - truth.time(16, 1)
