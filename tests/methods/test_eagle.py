@@ -387,3 +387,15 @@ def test_held_out_chain_tau_is_the_decode_loops(tiny_models):
     assert steps == res.accepted_lengths[: len(steps)] and len(steps) >= len(res.accepted_lengths) - 2
     assert max(steps) > 1  # some drafts accepted: the comparison is not all ones
     assert chain_tau(head, target, continued, prompt.numel(), 3) == sum(steps) / len(steps)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_packed_head_logits_of_no_rows(tiny_models, variant, layers):
+    """Calibration asks for the logits of zero roots where a depth has none (EAGLE rows on prose at T = 1
+    crashed: a 0-row reshape with -1 is ambiguous): zero rows of the target vocabulary, packed or not."""
+    head = _random_head(tiny_models.target, variant, layers)
+    head.pack()
+    g = torch.zeros(0, head.cfg.hidden_size)
+    with torch.no_grad():
+        out = head.logits(g)
+    assert out.shape == (0, head.cfg.vocab_size)

@@ -189,7 +189,8 @@ class EagleHead(nn.Module):
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.packed.get("lm_head")
         if w is not None:
-            return packed_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+            out = packed_linear(x.reshape(-1, x.shape[-1]), w)  # (rows, V); rows may be 0 (a depth, no roots)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return x @ self.lm_head.to(x.dtype).T
 
     def forward(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
