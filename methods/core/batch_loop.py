@@ -29,6 +29,7 @@ from methods.core.loop import (
     verify_step,
 )
 from methods.core.metrics import AcceptStats
+from methods.core.verify import argmax_host
 from specsim.config import Verifier
 from specsim.tree import Tree
 
@@ -214,7 +215,7 @@ def _greedy_rows(draft: BatchDraft, logits: torch.Tensor) -> tuple[list[tuple[in
     numpy on the host (the loop needs the paths there anyway): a (B, n, V) row argmax takes ~100 µs and more
     as a PyTorch CPU op, a few µs per row in numpy; both return the first maximum."""
     b, n = draft.tokens.shape
-    am = logits.detach().cpu().numpy().argmax(-1)  # (B, n)
+    am = argmax_host(logits)  # (B, n)
     if n == 1:  # the autoregressive step
         return [(0,)] * b, am[:, 0].tolist()
     trees = draft.trees if len(draft.trees) == b else draft.trees * b
