@@ -38,6 +38,13 @@ def sharpen(model: LlamaForCausalLM, factor: float) -> LlamaForCausalLM:
     return model
 
 
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Profiles, heads and fits go to a temporary cache root (SPECSIM_CACHE), never the user's."""
+    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny matmuls are latency-bound: a second OpenMP thread only adds synchronisation (and on a shared

@@ -54,13 +54,6 @@ SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "ca
          "calibration.warmup=1", "calibration.width=8", f"tree.budgets=[{','.join(map(str, BUDGETS))}]")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """Profiles go to a temporary cache root, never the user's."""
-    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _same_draft(models: Models) -> Models:
     """The target as its own draft (a separate copy: its own KV cache)."""
     return Models(models.target, copy.deepcopy(models.target), models.tokenizer, models.device, models.dtype)

@@ -19,12 +19,6 @@ SMALL = ("model=random_tiny", "method=eagle2", "method.params.head=random", "tre
          "calibration.warmup=1", "calibration.width=4", "tree.budgets=[1,2,4,8]")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cache, monkeypatch):
     cfg = run_config("task=measure", *SMALL)
     models = load_models(cfg.model, cfg.device, cfg.model.dtype)

@@ -18,12 +18,6 @@ SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=
          "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def test_forwards_per_step_from_the_drafters_counters():
     assert _forwards_per_step((10, 4), (25, 9)) == 3.0
     assert _forwards_per_step(None, (25, 9)) == 0.0 and _forwards_per_step((3, 2), (3, 2)) == 0.0

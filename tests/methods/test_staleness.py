@@ -29,12 +29,6 @@ SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=
          "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]", "method=vanilla")
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECSIM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _rounds(t1: list[float], sizes) -> list[dict]:
     """Scripted rounds on a machine whose slowdown is t1[r] / 1e-3: every cost scales with it."""
     return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes}} for a in t1]
