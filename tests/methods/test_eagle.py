@@ -101,6 +101,20 @@ def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, param
     assert drafter.shapes == Counter(t for t in trees if t.size > 1) and sum(drafter.shapes.values()) > 1
 
 
+def _first_proposals(target, *trees) -> list:
+    """One random head drafting the first step of the same 12-token sequence on each tree (static Tree or
+    Dynamic), from the same target features."""
+    head = _random_head(target)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    out = ModelEngine(target).prefill(seq[:-1], hidden=True)
+    drafts = []
+    for tree in trees:
+        d = EagleDrafter(head, tree, GREEDY)
+        d.reset(seq)
+        drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
+    return drafts
+
+
 def test_confidence_temperature_one_is_eagle2_and_a_sharp_one_keeps_the_top1_chain(tiny_models):
     """method.params.confidence_temperature: T = 1 builds EAGLE-2's own trees; as T -> 0 the cumulative
     confidence of a path is ~0 only along q's top-1 children, so a budget of ``depth`` keeps that chain (the
@@ -117,15 +131,8 @@ def test_confidence_temperature_one_is_eagle2_and_a_sharp_one_keeps_the_top1_cha
         assert decode(engine, d, prompt, DecodeOptions(Verifier.greedy, GREEDY, 20), g).token_ids == ref
         shapes.append(d.shapes)
     assert shapes[0] == shapes[1]
-    head = _random_head(tiny_models.target)
-    chain = EagleDrafter(head, Tree.chain(3), GREEDY)
-    sharp = EagleDrafter(head, Dynamic(total_tokens=3, depth=3, top_k=3, temperature=1e-3), GREEDY)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
-    out = engine.prefill(seq[:-1], hidden=True)
-    drafts = []
-    for d in (chain, sharp):
-        d.reset(seq)
-        drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
+    drafts = _first_proposals(tiny_models.target, Tree.chain(3),
+                              Dynamic(total_tokens=3, depth=3, top_k=3, temperature=1e-3))
     assert drafts[1].tree.parents == (-1, 0, 1, 2) and drafts[1].tree.ranks == (0, 0, 0, 0)
     assert torch.equal(drafts[0].tokens, drafts[1].tokens)
     with pytest.raises(ValueError, match="confidence_temperature"):
@@ -242,16 +249,7 @@ def test_store_trains_once_reports_accuracy_by_depth_and_notes_it_next_to_the_zo
 
 def test_dynamic_tree_with_one_child_per_level_is_the_static_chain(tiny_models):
     """top_k = 1: EAGLE-2's expansion is the greedy chain the static drafter proposes on a chain tree."""
-    head = _random_head(tiny_models.target)
-    chain = EagleDrafter(head, Tree.chain(4), GREEDY)
-    dyn = EagleDrafter(head, Dynamic(total_tokens=4, depth=4, top_k=1), GREEDY)
-    engine = ModelEngine(tiny_models.target)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
-    out = engine.prefill(seq[:-1], hidden=True)
-    drafts = []
-    for d in (chain, dyn):
-        d.reset(seq)
-        drafts.append(d.propose(DraftContext(seq, out.hidden, torch.Generator(), 10)))
+    drafts = _first_proposals(tiny_models.target, Tree.chain(4), Dynamic(total_tokens=4, depth=4, top_k=1))
     assert drafts[0].tree.parents == drafts[1].tree.parents
     assert torch.equal(drafts[0].tokens, drafts[1].tokens)
 
