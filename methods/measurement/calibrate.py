@@ -172,19 +172,43 @@ def priced_tokens(cfg: RunConfig, tree: Tree) -> int:
     return tree.size + (cfg.method.verify_extra_tokens if tree.depth > 0 else 0)
 
 
-def loop_forward_tokens(cfg: RunConfig, run: _Run) -> int:
+def loop_forward_tokens(cfg: RunConfig, run: _Run, sizes: Mapping[int, int] | None = None) -> int:
     """Tokens of the loop's verify forward, after the depth run: what the drafter counted itself
     (``run_stats()["verify_forward_tokens"]``, Lookahead: both branches, the trie as full as the pool was),
     the chain it drafted where its draft length adapts (Draft & Verify's exit: 1 + the mean draft length;
     the loop's verification overhead is its verify time less t(this), and the longest chain's t(9) read it
-    0.03 t(1) where it is 0.16), else the priced tree."""
+    0.03 t(1) where it is 0.16), the mean size of the drafts the depth run proposed where they fell short of
+    the tree (``sizes``: prompt lookup proposes nothing where no n-gram matches), else the priced tree."""
     stats = run.drafter.run_stats() if hasattr(run.drafter, "run_stats") else {}
     mean = stats.get("verify_forward_tokens")
     if mean:
         return max(run.tree.size, round(mean))
     if stats.get("draft_steps") and "mean_draft_length" in stats:
         return max(1, min(run.tree.size, round(1 + stats["mean_draft_length"])))
-    return priced_tokens(cfg, run.tree)
+    priced = priced_tokens(cfg, run.tree)
+    if sizes and priced == run.tree.size:
+        drafted = sum(n * c for n, c in sizes.items()) / max(sum(sizes.values()), 1)
+        return max(1, min(priced, round(drafted)))
+    return priced
+
+
+class SizeRecorder:
+    """A drafter that counts the size of every draft it proposes (the loop's verify forward: root
+    included) away from the generation's end — a draft cut at max_new_tokens is the truncation's, priced
+    apart (specsim.expected). Everything else is the wrapped drafter's."""
+
+    def __init__(self, drafter: Any, depth: int) -> None:
+        self._drafter, self._depth = drafter, depth
+        self.sizes: dict[int, int] = {}
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        draft = self._drafter.propose(ctx)
+        if ctx.max_new > self._depth:
+            self.sizes[draft.tree.size] = self.sizes.get(draft.tree.size, 0) + 1
+        return draft
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._drafter, name)
 
 
 def _forward_all(engine: ModelEngine, seq: torch.Tensor, hidden: bool = False) -> ForwardOut:
@@ -391,17 +415,20 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
     return out
 
 
-def _depth_run(run: _Run, n_prompts: int, new_tokens: int) -> tuple[AcceptStats, list[list[int]]]:
+def _depth_run(run: _Run, n_prompts: int, new_tokens: int
+               ) -> tuple[AcceptStats, list[list[int]], dict[int, int]]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
-    acceptance stats (α_d, by rank), and each prompt's histogram of accepted drafts per step (the spread of
-    acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws)."""
+    acceptance stats (α_d, by rank), each prompt's histogram of accepted drafts per step (the spread of
+    acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), and how many of its drafts
+    had each size (SizeRecorder: the law of the verify forward, where drafts can fall short of the tree)."""
     stats, per_prompt = AcceptStats(), []
+    drafter = SizeRecorder(run.drafter, run.tree.depth)
     for ids in run.prompts[:n_prompts]:
-        one = decode(run.target, run.drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
+        one = decode(run.target, drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
         stats.merge(one)
         per_prompt.append(list(one.hist))
         run.bar.update()
-    return stats, per_prompt
+    return stats, per_prompt, dict(sorted(drafter.sizes.items()))
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -682,6 +709,7 @@ class _Measured:
     exit_table: dict[str, Any] | None = None  # exit_confidence's table (drafters with a draft-exit rule)
     prompt_hists: list[list[int]] = field(default_factory=list)  # per prompt: steps accepting k drafts
     replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
+    sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -711,17 +739,17 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats, prompt_hists = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists, drafted = _depth_run(run, n_prompts, new_tokens)
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    forward = loop_forward_tokens(cfg, run)  # the loop's verify forward: t(n) for its overhead
+    forward = loop_forward_tokens(cfg, run, drafted)  # the loop's verify forward: t(n) for its overhead
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay)
+                          replay, drafted)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -736,6 +764,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
         "loop_verify_forward_tokens": m.forward_tokens,
+        # drafts of each size (root included) the loop proposed, away from the generation's end: the law of
+        # the verify forward where drafts fall short of the tree (profiles.verify_size_law)
+        "loop_verify_sizes": {str(n): c for n, c in m.sizes.items()},
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
         # the loop's verification from the logits, per draft size / t(1) ("0": the loop's own tree): the
@@ -892,6 +923,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return f"the cached profile is stale: {profile.stale}"
     if "verify_step_ratios" not in profile.extra:
         return "no per-size verification timing (a profile of an older calibration)"
+    if "loop_verify_sizes" not in profile.extra:
+        return "no law of the loop's draft sizes (a profile of an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

@@ -479,6 +479,38 @@ def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[s
             "tokens_per_forward": per_forward, "predicted_decode_speedup": per_forward * ar / step}
 
 
+def verify_size_law(profile: Profile, tree: Tree) -> dict[int, float] | None:
+    """The law of the verify forward's size (nodes, root included) when ``tree`` is the loop's own tree
+    and the drafter's drafts fell short of it in the calibration's loop (``loop_verify_sizes``): prompt
+    lookup proposes nothing where no n-gram matches, and a continuation shorter than γ where the match is
+    short. None when every draft had the tree's size (most drafters), for another tree, or without the
+    counts. The quiet sweep priced every prompt lookup step at the full chain's t(5) + the overhead taken
+    beside it: its verify term read +16% (grounded, T = 0)."""
+    counts = {int(n): float(c) for n, c in (profile.extra.get("loop_verify_sizes") or {}).items()}
+    total = sum(counts.values())
+    if total <= 0 or tree.size != profile.extra.get("loop_tree_size") or max(counts) > tree.size:
+        return None  # not the loop's tree, or drafts beyond it (Lookahead's forward: its own figure)
+    if counts.get(tree.size, 0.0) >= total * (1 - SHORT_DRAFTS):
+        return None
+    return {n: c / total for n, c in sorted(counts.items())}
+
+
+SHORT_DRAFTS = 0.01  # drafts shorter than the tree, at least this share of the steps: priced by their law
+
+
+def _sized_summary(base: dict[str, Any], law: dict[int, float], cost: CostModel, n_tokens: int
+                   ) -> dict[str, Any]:
+    """``base`` with its verify priced on the law of the draft's size: E[t_loop(n)] (the root alone: the
+    autoregressive step's t(1)) instead of the full tree's; τ is the tree's (a short draft is a rejection
+    at its end, as the calibration counted it)."""
+    verify = sum(p * float(cost.verify_time(n)) for n, p in law.items())
+    step, ar = base["t_draft_s"] + verify, base["t_ar_s"]
+    return {**base, "t_verify_s": verify, "t_step_s": step,
+            "predicted_speedup": base["predicted_tau"] * ar / step,
+            "predicted_decode_speedup": base["tokens_per_forward"] * ar / step,
+            "predicted_mean_verify_tokens": sum(n * p for n, p in law.items())}
+
+
 def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[Tree, int] | None = None
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The simulator's predictions for a given tree under the measured acceptance: with this device's
@@ -504,6 +536,11 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         n = cfg.workload.max_new_tokens
         here = _law_summary(here, recorded_law(shapes, from_config(here_cfg.method.acceptance)), n)
         preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
+    sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
+    if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
+        n = cfg.workload.max_new_tokens
+        here = _sized_summary(here, sizes, CostModel.from_config(here_cfg, measured), n)
+        preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg), n)
     return here, preset
 
 

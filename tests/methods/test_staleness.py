@@ -101,7 +101,8 @@ def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profi
                    "code", "cpu:test", "float32", 3, 50, created,
                    key=calibrate_module.profile_key(cfg), verify_overhead_ratio=0.1,
                    timing_dispersion={"t1": 0.02},
-                   extra={"verify_step_ratios": {"0": 0.02, "8": 0.05}})  # as a current calibration has
+                   extra={"verify_step_ratios": {"0": 0.02, "8": 0.05},
+                          "loop_verify_sizes": {"5": 40}})  # as a current calibration has
     save_profile(prof, profile_path(cfg))
     return prof
 

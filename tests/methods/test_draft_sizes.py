@@ -1,0 +1,99 @@
+"""Drafts shorter than the tree (prompt lookup finds no n-gram, or a short continuation): the calibration
+counts the size of each draft the loop proposed, and the simulator prices the verify forward on that law
+instead of the full tree's (methods.measurement.calibrate.SizeRecorder, profiles.verify_size_law)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from methods.core.drafter import Draft
+from methods.measurement.calibrate import SizeRecorder, loop_forward_tokens, measure_profile, remeasure_reason
+from methods.measurement.profiles import Profile, to_measured_cost, tree_predictions, verify_size_law
+from specsim.tree import Tree
+
+SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
+         "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
+         "calibration.warmup=1", "calibration.width=8", "tree.budgets=[1,2,4,8]")
+
+
+class _Lengths:
+    """A drafter proposing chains of the given lengths in turn."""
+
+    needs_hidden_states = False
+    marker = "mine"
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.i = lengths, 0
+
+    def propose(self, ctx) -> Draft:
+        k = self.lengths[self.i % len(self.lengths)]
+        self.i += 1
+        return Draft(Tree.chain(k), torch.zeros(k + 1, dtype=torch.long))
+
+
+def test_size_recorder_counts_drafts_away_from_the_end():
+    rec = SizeRecorder(_Lengths([0, 4, 2, 4]), depth=4)
+    for max_new in (48, 48, 48, 48, 3):  # the last one is cut by the generation's end: not counted
+        rec.propose(SimpleNamespace(max_new=max_new))
+    assert rec.sizes == {1: 1, 5: 2, 3: 1}
+    assert rec.marker == "mine" and rec.needs_hidden_states is False  # the rest is the drafter's
+
+
+def test_loop_forward_is_the_mean_draft_when_drafts_fall_short():
+    cfg = SimpleNamespace(method=SimpleNamespace(verify_extra_tokens=0))
+    run = SimpleNamespace(drafter=object(), tree=Tree.chain(4))
+    assert loop_forward_tokens(cfg, run) == 5  # no counts: the priced tree
+    assert loop_forward_tokens(cfg, run, {5: 10}) == 5
+    assert loop_forward_tokens(cfg, run, {1: 6, 3: 2, 5: 2}) == 2  # (6 + 6 + 10) / 10 = 2.2
+    lookahead = SimpleNamespace(method=SimpleNamespace(verify_extra_tokens=6))  # its own extra tokens
+    assert loop_forward_tokens(lookahead, run, {1: 6, 3: 2, 5: 2}) == 11
+
+
+def _profile(sizes: dict[str, int]) -> Profile:
+    t1 = 1e-3
+    t_n = {1: 1e-3, 2: 1.1e-3, 3: 1.2e-3, 5: 1.4e-3, 8: 1.7e-3}
+    return Profile((0.0, 0.4, 0.1, 0.5), (0.4, 0.6, 0.7, 0.8), t1, {n: t / t1 for n, t in t_n.items()},
+                   0.02, "zoo", "prompt_lookup", "grounded", "cpu:test", "float32", 3, 100,
+                   "2024-01-01T00:00:00+00:00", extra={"loop_tree_size": 5, "loop_verify_sizes": sizes})
+
+
+def test_verify_size_law_only_for_short_drafts_of_the_loops_tree():
+    law = verify_size_law(_profile({"1": 6, "3": 2, "5": 2}), Tree.chain(4))
+    assert law == {1: pytest.approx(0.6), 3: pytest.approx(0.2), 5: pytest.approx(0.2)}
+    assert verify_size_law(_profile({"5": 100}), Tree.chain(4)) is None  # every draft the full chain
+    assert verify_size_law(_profile({"1": 6, "5": 4}), Tree.chain(7)) is None  # another tree
+    assert verify_size_law(_profile({"1": 6, "9": 4}), Tree.chain(4)) is None  # drafts beyond the tree
+    assert verify_size_law(_profile({}), Tree.chain(4)) is None
+
+
+def test_short_drafts_are_verified_at_their_size(run_config):
+    """Each step's verify at its draft's size: E[t_loop(n)] with the root alone at the loop's t(1); the
+    prediction with every draft the full chain is what it was."""
+    cfg = run_config("method=prompt_lookup", "tree=chain", "tree.gamma=4", "hardware=cpu")
+    short, full = _profile({"1": 6, "3": 2, "5": 2}), _profile({"5": 10})
+    here, preset = tree_predictions(cfg, short, Tree.chain(4))
+    base, base_preset = tree_predictions(cfg, full, Tree.chain(4))
+    cost = to_measured_cost(short, chain=True)
+    expect = 0.6 * cost.time(1) + 0.2 * cost.time(3) + 0.2 * cost.time(5)
+    assert here["t_verify_s"] == pytest.approx(expect) and base["t_verify_s"] == pytest.approx(cost.time(5))
+    assert here["predicted_tau"] == base["predicted_tau"]  # a short draft is a rejection: τ as before
+    assert here["t_draft_s"] == base["t_draft_s"]
+    assert here["predicted_speedup"] == pytest.approx(base["predicted_speedup"] * base["t_step_s"]
+                                                      / here["t_step_s"])
+    assert here["predicted_decode_speedup"] > base["predicted_decode_speedup"]
+    assert here["predicted_mean_verify_tokens"] == pytest.approx(2.2)
+    assert preset["t_verify_s"] < base_preset["t_verify_s"]  # the roofline's prediction likewise
+
+
+def test_prompt_lookup_profile_counts_its_draft_sizes(run_config, tiny_models, cache):
+    cfg = run_config(*SMALL, "method=prompt_lookup", "tree.gamma=3")
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    sizes = {int(n): c for n, c in prof.extra["loop_verify_sizes"].items()}
+    assert sizes and sum(sizes.values()) > 0 and all(1 <= n <= prof.extra["loop_tree_size"] for n in sizes)
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "loop_verify_sizes"})
+    assert "draft sizes" in remeasure_reason(old, cfg)  # a profile from before the counts: measured again
