@@ -430,6 +430,19 @@ def test_prompt_lookup_profile_has_vectors_per_depth(run_config, tiny_models, ca
         _valid_vector(v, 8)
 
 
+def test_prompt_lookup_acceptance_comes_from_the_loop(run_config, tiny_models, cache):
+    """Prompt lookup's matches come in runs: its acceptance is the loop's (star trees at every position
+    weigh a copied span by its length), so its chain predicts the loop's own τ on the calibration split."""
+    from methods.measurement.profiles import key_document
+
+    cfg = run_config(*SMALL, "method=prompt_lookup", "tree.gamma=3")
+    assert key_document(cfg)["acceptance_from"] == "loop"
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    assert prof.extra["loop_steps"] > 0
+    here, _ = tree_predictions(cfg, prof, Tree.chain(3))
+    assert here["predicted_tau"] == pytest.approx(prof.extra["loop_tau"])
+
+
 def test_loop_ranks_reproduce_the_loops_tau():
     """A loop drafter's chain vectors: a chain of the tree's depth under them predicts the loop's τ."""
     stats = AcceptStats(steps=10, hist=[4, 3, 2, 1])  # 4 steps accepted 0 drafts, 3 one, ...
