@@ -16,7 +16,7 @@ import hashlib
 import json
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -502,12 +502,24 @@ def verify_size_law(profile: Profile, tree: Tree) -> dict[int, float] | None:
 SHORT_DRAFTS = 0.01  # drafts shorter than the tree, at least this share of the steps: priced by their law
 
 
-def _sized_summary(base: dict[str, Any], law: dict[int, float], cost: CostModel, n_tokens: int
-                   ) -> dict[str, Any]:
-    """``base`` with its verify priced on the law of the draft's size: E[t_loop(n)] (the root alone: the
-    autoregressive step's t(1)) instead of the full tree's; τ is the tree's (a short draft is a rejection
-    at its end, as the calibration counted it)."""
-    verify = sum(p * float(cost.verify_time(n)) for n, p in law.items())
+def loop_verify_s(profile: Profile, n: int, chain: bool = False) -> float | None:
+    """One verification of an n-node draft in the speculative loop, the root alone (n = 1) included:
+    t(n)·(1 + excess) + the walk (:func:`loop_forward_excess`). A root-only step of the speculative loop
+    pays the drafter's work between its forwards like any other, so it is not the autoregressive loop's
+    t(1): priced so, prompt lookup's steps read 5% below the loop's own verification on the calibration
+    split. None without the per-size walk timings."""
+    excess = loop_forward_excess(profile)
+    if excess is None:
+        return None
+    forward = float(MeasuredCost.from_mapping(profile.t_n).time(n))
+    return forward * (1 + excess) + verify_walk_s(profile, n, chain)
+
+
+def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callable[[int], float],
+                   n_tokens: int) -> dict[str, Any]:
+    """``base`` with its verify priced on the law of the draft's size, E[verify_s(n)], instead of the full
+    tree's; τ is the tree's (a short draft is a rejection at its end, as the calibration counted it)."""
+    verify = sum(p * float(verify_s(n)) for n, p in law.items())
     step, ar = base["t_draft_s"] + verify, base["t_ar_s"]
     return {**base, "t_verify_s": verify, "t_step_s": step,
             "predicted_speedup": base["predicted_tau"] * ar / step,
@@ -543,8 +555,12 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
         n = cfg.workload.max_new_tokens
-        here = _sized_summary(here, sizes, CostModel.from_config(here_cfg, measured), n)
-        preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg), n)
+        def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)
+            at = loop_verify_s(profile, k, chain=tree.width <= 1)
+            return float(measured.time(k)) if at is None else at
+
+        here = _sized_summary(here, sizes, loop, n)
+        preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time, n)
     return here, preset
 
 

@@ -89,6 +89,22 @@ def test_short_drafts_are_verified_at_their_size(run_config):
     assert preset["t_verify_s"] < base_preset["t_verify_s"]  # the roofline's prediction likewise
 
 
+def test_short_drafts_price_the_loops_own_verification_at_calibration(run_config):
+    """With the loop's excess (its verification beyond the timed forward, in proportion: taken at the
+    mean draft's forward), every step of the speculative loop, the root alone included, pays it: on a
+    linear t(n) the law's price is the loop's measured verification exactly (the root alone at the
+    autoregressive loop's t(1) read it low)."""
+    cfg = run_config("method=prompt_lookup", "tree=chain", "tree.gamma=4", "hardware=cpu")
+    t1, walk, loop_verify = 1e-3, 0.02, 1.12  # ratios of t(1); the loop's verification per step
+    linear = {n: 0.6 + 0.03 * (n - 1) for n in (1, 2, 3, 5, 8)}  # t(n)/t(1), timed back to back
+    over = loop_verify - linear[2]  # the loop's verification beyond t(2), its mean draft's forward
+    prof = dataclasses.replace(_profile({"1": 5, "3": 5}), t_n_ratios=linear, verify_overhead_ratio=over)
+    prof.extra.update(verify_step_ratios={"0": walk}, verify_chain_ratios={}, loop_verify_forward_tokens=2)
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert here["t_verify_s"] == pytest.approx(loop_verify * t1)
+    assert here["t_verify_s"] > 0.5 * t1 + 0.5 * float(to_measured_cost(prof, chain=True).time(3))
+
+
 def test_prompt_lookup_profile_counts_its_draft_sizes(run_config, tiny_models, cache):
     cfg = run_config(*SMALL, "method=prompt_lookup", "tree.gamma=3")
     prof = measure_profile(cfg, tiny_models, show_progress=False)
