@@ -67,10 +67,13 @@ EXCLUDED: dict[tuple[str, str], str] = {
 # chain on chains, SpecInfer's multi-round rejection on static trees, Sequoia's on Sequoia trees; drafters
 # whose drafts are deterministic (q one-hot) take the deterministic verifier, lossless at any temperature.
 DETERMINISTIC_AT_T1 = ("autoregressive", "prompt_lookup", "lookahead", "staged", "eagle2", "eagle3")
-# test prompts of the methods whose τ varies most from step to step (the experiment's 4 for the others): a
-# SpecInfer step accepts 0–8 drafts, and 4 prompts × 48 tokens measured its τ to 9–10% (one standard error);
-# grounded T = 1 read +27.8% on 4 prompts and +12.6% on 16 (4.5%)
-PROMPTS = {"specinfer": 12}
+# test prompts of the methods whose τ varies most from step to step or from prompt to prompt (the
+# experiment's 4 for the others): a SpecInfer step accepts 0–8 drafts, and 4 prompts × 48 tokens measured its
+# τ to 9–10% (one standard error); grounded T = 1 read +27.8% on 4 prompts and +12.6% on 16 (4.5%). Prompt
+# lookup's τ is a property of the prompt (how much of it the continuation copies: 1.07–1.85 per prompt on
+# prose): its standard error across 4 prompts was 4–10%, across 16 3.5–4.3%; prose T = 0 read +7.2% on 4
+# prompts and −1.4% on 16. Its rows take no draft model: 16 prompts cost ~30 s a row more.
+PROMPTS = {"specinfer": 12, "prompt_lookup": 16}
 
 
 @dataclass(frozen=True)

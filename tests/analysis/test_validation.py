@@ -68,11 +68,13 @@ def test_rows_come_natural_trees_first_then_workloads_then_trees_then_temperatur
 
 
 def test_high_variance_methods_decode_more_test_prompts():
-    """SpecInfer's τ varies most per step: its rows decode more test prompts, unless the sweep sets them."""
-    for r in vr.rows(["specinfer", "vanilla"]):
+    """SpecInfer's τ varies most per step, prompt lookup's per prompt: their rows decode more test prompts,
+    unless the sweep sets them."""
+    assert vr.PROMPTS["prompt_lookup"] >= 16
+    for r in vr.rows(["specinfer", "prompt_lookup", "vanilla"]):
         prompts = [o for o in r.overrides if o.startswith("workload.num_prompts=")]
-        more = [f"workload.num_prompts={vr.PROMPTS['specinfer']}"]
-        assert prompts == (more if r.method == "specinfer" else [])
+        more = [f"workload.num_prompts={vr.PROMPTS[r.method]}"] if r.method in vr.PROMPTS else []
+        assert prompts == more and (r.method == "vanilla") == (not more)
     small = vr.rows(["specinfer"], extra=vr.SMALL)
     assert all(sum(o.startswith("workload.num_prompts=") for o in r.overrides) == 1 for r in small)
 
