@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.load import load
+from analysis.load import load, load_samples
 from analysis.tables import to_markdown
 from analysis.validation_rows import read_row
 from analysis.validation_terms import TERMS, errors, summary, term_table
@@ -18,6 +18,10 @@ def load_validation(path: str | Path) -> pd.DataFrame:
     """analysis.load's table of the sweep's runs, with each row's own description (``row_id``,
     ``row_tree`` — natural, chain, sequoia<budget> — and ``temperature``) from validation_row.json."""
     df = load(path)
+    samples = load_samples(path)  # each prompt's accepted lengths: τ's sampling error across prompts
+    if "accepted_lengths" in samples.columns:
+        per_run = samples.groupby("run_dir")["accepted_lengths"].apply(list)
+        df["prompt_accepted_lengths"] = df["run_dir"].astype(str).map(per_run)
     rows = [read_row(Path(d)) or {} for d in df["run_dir"]]
     df["row_id"] = [r.get("row_id", Path(d).name) for r, d in zip(rows, df["run_dir"])]
     df["row_tree"] = [r.get("tree", t) for r, t in zip(rows, df.get("tree", [None] * len(df)))]

@@ -60,7 +60,12 @@ def measured_parts(df: pd.DataFrame) -> pd.DataFrame:
     out["other_meas"] = out["step_meas"] - out["draft_meas"] - out["verify_meas"]
     out["tau_eff"] = _num(df, "n_tokens") / f
     out["baseline_tokens_per_forward"] = _num(df, "baseline_n_tokens") / fb
-    out["tau_se"] = df["accept_hist"].map(tau_standard_error) if "accept_hist" in df else np.nan
+    steps = df["accept_hist"].map(tau_standard_error) if "accept_hist" in df else np.nan
+    prompts = (df["prompt_accepted_lengths"].map(tau_prompt_standard_error)
+               if "prompt_accepted_lengths" in df else np.nan)
+    # the larger of the two: steps of one prompt are not independent where τ is a property of the prompt
+    out["tau_se"] = np.fmax(pd.Series(steps, index=df.index, dtype=float),
+                            pd.Series(prompts, index=df.index, dtype=float))
     return out
 
 
@@ -74,6 +79,22 @@ def tau_standard_error(hist) -> float:
     mean = (k * n).sum() / n.sum()
     var = ((k - mean) ** 2 * n).sum() / (n.sum() - 1)
     return float(np.sqrt(var / n.sum()))
+
+
+def tau_prompt_standard_error(per_prompt) -> float:
+    """Standard error of the measured τ = Σ tokens / Σ steps with the prompts as the sampled units
+    (``per_prompt``: each prompt's accepted lengths per step, root included): the ratio estimator's
+    sqrt(Σ (tokens_i − τ·steps_i)² / (n (n − 1))) / mean steps. Where τ is a property of the prompt (prompt
+    lookup copies some prompts much more than others) the steps of one prompt are not independent draws:
+    the step-wise error read 5.5% where the prompts' read 10.3% (prose, 4 prompts)."""
+    if not isinstance(per_prompt, (list, tuple)) or len(per_prompt) < 2:
+        return float("nan")
+    tokens = np.array([sum(a) for a in per_prompt], dtype=float)
+    steps = np.array([len(a) for a in per_prompt], dtype=float)
+    if steps.min() < 1:
+        return float("nan")
+    tau, n = tokens.sum() / steps.sum(), len(steps)
+    return float(np.sqrt(((tokens - tau * steps) ** 2).sum() / (n * (n - 1))) / steps.mean())
 
 
 def predicted_parts(df: pd.DataFrame) -> pd.DataFrame:

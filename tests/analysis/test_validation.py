@@ -14,7 +14,14 @@ import pandas as pd
 import pytest
 
 from analysis import validation_rows as vr
-from analysis.validation_terms import TERMS, errors, summary, tau_standard_error, term_contributions
+from analysis.validation_terms import (
+    TERMS,
+    errors,
+    summary,
+    tau_prompt_standard_error,
+    tau_standard_error,
+    term_contributions,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -208,6 +215,21 @@ def test_tau_standard_error():
     # accepted 1, 2, 3 draft tokens in 2, 6, 2 of 10 steps: mean 2, sample variance 4/9
     assert tau_standard_error([0, 2, 6, 2, 0]) == pytest.approx(math.sqrt(4 / 9 / 10))
     assert math.isnan(tau_standard_error([1])) and math.isnan(tau_standard_error(None))
+
+
+def test_tau_standard_error_across_prompts():
+    """Prompts as the sampled units: two prompts of τ 1 and τ 3 (5 steps each) measure τ 2 ± 1 (their
+    difference), far more than the steps' own spread says when τ is a property of the prompt."""
+    per_prompt = [[1] * 5, [3] * 5]
+    assert tau_prompt_standard_error(per_prompt) == pytest.approx(math.sqrt((25 + 25) / 2) / 5)
+    assert math.isnan(tau_prompt_standard_error([[2, 2]])) and math.isnan(tau_prompt_standard_error(None))
+    hist = [0, 5, 0, 5]  # the same 10 steps pooled: 5 accepting 0 drafts, 5 accepting 2
+    pooled = errors(pd.DataFrame([_run(tau=2.0, accept_hist=hist, predicted_tau=2.8)])).loc[0]
+    by_prompt = errors(pd.DataFrame([_run(tau=2.0, accept_hist=hist, predicted_tau=2.8,
+                                          prompt_accepted_lengths=per_prompt)])).loc[0]
+    assert pooled["tau_se_rel"] == pytest.approx(tau_standard_error(hist) / 2)
+    assert by_prompt["tau_se_rel"] == pytest.approx(0.5) and pooled["tau_se_rel"] < 0.2
+    assert "acceptance model" in pooled["diagnosis"] and "sampling noise" in by_prompt["diagnosis"]
 
 
 def test_a_tau_miss_within_sampling_error_is_called_noise():
