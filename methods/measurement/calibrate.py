@@ -744,7 +744,9 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    forward = loop_forward_tokens(cfg, run, drafted)  # the loop's verify forward: t(n) for its overhead
+    # the loop's verify forward: t(n) for its overhead (SpecInfer's merged drafts are priced on the union's
+    # budget, profiles.tree_predictions: its overhead beside the union's forward, as before)
+    forward = loop_forward_tokens(cfg, run, drafted if replay is None else None)
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()

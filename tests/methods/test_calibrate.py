@@ -580,3 +580,6 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     tau = expected_tokens(Replay.from_json(doc), Tree.chain(3))
     assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
     assert here["tree_size"] == 1 + 3 * 3  # priced on the merged budget
+    # ... with the loop's overhead beside the union's forward, whatever the merged drafts' sizes were
+    assert prof.extra["loop_verify_forward_tokens"] == prof.extra["loop_tree_size"] == 1 + 3 * 3
+    assert "predicted_mean_verify_tokens" not in here
