@@ -59,9 +59,9 @@ def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
 def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int, reps: int,
           kv_dtypes: tuple[str, ...] = ("model",)) -> dict:
     """{B: {side: rates}} medians over reps (each rep: every side, every B, interleaved). Sides: "ar" and
-    "vanilla" per KV dtype of the batched engines (target's and draft's): "model" (the engine's default, the
-    model's dtype) is named plainly, another (e.g. "float32": the engine before KV was kept in bf16) as
-    "ar@float32"."""
+    "vanilla" per KV dtype of the batched engines (target's and draft's): "model" (the engine's default) is
+    named plainly, another (e.g. "bfloat16": the engine before it chose float32 on CPUs without AMX) as
+    "ar@bfloat16"."""
     opts = DecodeOptions(max_new_tokens=new_tokens)  # no EOS: every row decodes new_tokens tokens
     room = max(x.numel() for x in prompts) + new_tokens + 16
     tree = Tree.chain(int(cfg.tree.gamma))
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kv-dtypes", default="model",
                     help="comma list: the batched engines' KV/attention dtype per compared variant: model "
-                    "(the default) and e.g. float32 (the engine before KV stayed in bf16), interleaved in "
-                    "one process")
+                    "(the engine's default: float32 on a CPU without AMX, else the model's) and e.g. "
+                    "bfloat16 (the engine before that rule), interleaved in one process")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="also the batched-vs-alone identity rate over N prompts (batch 16)")
     args = ap.parse_args(argv)
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     for kv in kv_dtypes:
         if kv == "model":
             continue
-        print(f"KV in the model's dtype vs KV in {kv} (decode tok/s ratio, same process, interleaved):")
+        print(f"KV/attention in the engine's default vs in {kv} (decode tok/s ratio, same process, "
+              "interleaved):")
         for b in sizes:
             line = f"{b:>4}"
             for side in ("ar", "vanilla"):

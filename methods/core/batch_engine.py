@@ -69,6 +69,18 @@ class _RowsLayer(DynamicLayer):
         return self.engine._width, 0
 
 
+def attention_dtype(model: PreTrainedModel) -> torch.dtype | None:
+    """The batched engine's KV and attention dtype where it should not be the model's: float32 for a bf16 /
+    fp16 model on a CPU without AMX tiles. There PyTorch's reduced-precision SDPA is slow with one query
+    per row (a decode step, a draft level): AMD EPYC with AVX-512 bf16, torch 2.13, B = 16 x 6 heads x 192
+    keys x 64, in cache: ~1.4 ms in bf16 against ~0.2 ms in float32, and bf16 is no faster with 2-8
+    queries; a B = 16 zoo decode step took 1.45x less CPU time in float32. On the AMX machine of commit
+    05da86a the bf16 cache was the faster (half the bytes; 1.36x at one query)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    reduced = model.dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if model.device.type == "cpu" and reduced and not amx else None
+
+
 def _host(x: torch.Tensor | np.ndarray) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else x.cpu().numpy()
 
@@ -88,18 +100,18 @@ class BatchEngine:
       (ascending, root first), drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes
       of each row (chains).
 
-    ``attn_dtype``: the KV cache's and the attention's dtype (None: ``default_attn_dtype``, None = the
-    model's). The KV cache stays in the model's dtype (bf16: unlike the one-sequence engine's float32
-    attention on CPU): at B rows a decode forward reads B caches, which outweigh the weights past a few rows
-    (zoo target, B = 16, 256 cached tokens: 38 MB of bf16 KV against 24 MB of weights per forward), and
-    the forward is bound by memory bandwidth; half the bytes made the B = 16 forward 1.2-1.4x faster."""
+    ``attn_dtype``: the KV cache's and the attention's dtype (None: ``default_attn_dtype``, None =
+    ``attention_dtype(model)``, None = the model's). At B rows a decode forward reads B caches, which
+    outweigh the weights past a few rows (zoo target, B = 16, 256 cached tokens: 38 MB of bf16 KV against
+    24 MB of weights per forward): a bf16 cache halves the bytes (1.2-1.4x at B = 16 on an AMX CPU), but
+    where bf16 attention is slow (``attention_dtype``) the cache is float32, as the one-sequence engine's."""
 
-    default_attn_dtype: torch.dtype | None = None  # benchmarks set float32 for the former (fp32 KV) engine
+    default_attn_dtype: torch.dtype | None = None  # benchmarks set another dtype to compare engines
 
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int | None = None, fast: bool = True,
                  pack: bool | None = None, attn_dtype: torch.dtype | None = None):
         self.model = model
-        attn_dtype = attn_dtype or self.default_attn_dtype
+        attn_dtype = attn_dtype or self.default_attn_dtype or attention_dtype(model)
         self.fast = FastLlama(model, attn_dtype, pack) if fast and supports_fast(model) else None
         self.base = model.base_model
         self.head = model.get_output_embeddings()

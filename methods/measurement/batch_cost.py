@@ -191,7 +191,9 @@ def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
     return float(icpt), float(slope)
 
 
-ENGINE_VERSION = 2  # BatchEngine's forward: 2 = KV cache and attention in the model's dtype (bf16 on CPU)
+# BatchEngine's forward: 3 = KV and attention in batch_engine.attention_dtype (float32 on CPUs without AMX,
+# else the model's); 2 = in the model's dtype
+ENGINE_VERSION = 3
 ROLES = ("target", "draft")  # whose forward was timed: the target p, or the draft model q (vanilla)
 
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from methods.core.batch_engine import BatchEngine
+from methods.core.batch_engine import BatchEngine, attention_dtype
 from methods.core.engine import ModelEngine
 from specsim.tree import Tree
 
@@ -94,10 +94,11 @@ def test_capacity_and_context_errors(tiny_target):
         eng.add()
 
 
-def test_bf16_rows_keep_kv_in_the_models_dtype(tiny_target):
-    """A bf16 model's batched KV cache and attention stay in bf16 (half the bytes a decode forward reads per
-    row; attn_dtype=float32 gives the former float32 cache): both agree with each row decoded alone in
-    float32 attention (the one-sequence engine) to bf16 rounding, rows and ragged prompts included."""
+def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target):
+    """A bf16 model's batched KV cache and attention in bf16 (half the bytes a decode forward reads per row)
+    or in float32 (the default where bf16 attention is slow, as the one-sequence engine's): both agree with
+    each row decoded alone in float32 attention (the one-sequence engine) to bf16 rounding, rows and ragged
+    prompts included."""
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)  # the session's fixture stays float32
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 3, 11)]
@@ -105,13 +106,28 @@ def test_bf16_rows_keep_kv_in_the_models_dtype(tiny_target):
     tokens = torch.randint(0, 300, (3, tree.size), generator=g)
     tokens[:, 0] = torch.stack([p[-1] for p in prompts])
     outs = {}
-    for name, dtype in (("bf16", None), ("fp32", torch.float32)):
+    for dtype in (torch.bfloat16, torch.float32):
         eng = BatchEngine(model, max_rows=3, capacity=8, attn_dtype=dtype)  # grows past 8
-        assert eng.k.dtype == (torch.bfloat16 if dtype is None else torch.float32)
+        assert eng.k.dtype == dtype
         eng.add(3)
         eng.prefill([p[:-1] for p in prompts])
-        outs[name] = eng.forward_trees(tokens, [tree]).logits
+        outs[dtype] = eng.forward_trees(tokens, [tree]).logits
     for b, p in enumerate(prompts):
         (want,) = _alone(model, True, p, [(tokens[b], tree, (0,))])
         for got in outs.values():
             torch.testing.assert_close(got[b], want.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_default_kv_dtype_is_float32_for_reduced_precision_on_cpus_without_amx(tiny_target, monkeypatch, amx):
+    """Without AMX PyTorch's bf16 SDPA is several times slower than float32 at one query per row (a decode
+    step): the default cache is float32 there; with AMX it is the model's dtype; a float32 model stays float32
+    and an explicit attn_dtype wins."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    want = torch.bfloat16 if amx else torch.float32
+    assert attention_dtype(model) == (None if amx else torch.float32)
+    assert BatchEngine(model, max_rows=2, capacity=8).k.dtype == want
+    assert BatchEngine(model, max_rows=2, capacity=8, attn_dtype=torch.bfloat16).k.dtype == torch.bfloat16
+    assert attention_dtype(tiny_target) is None
+    assert BatchEngine(tiny_target, max_rows=2, capacity=8).k.dtype == torch.float32
