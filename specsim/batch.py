@@ -30,6 +30,8 @@ loop runs it — another engine than the one-sequence loop the profile timed: th
 fit(B, n) at the workload's context, plus the batched loop's own work outside the forward (timed by running
 it: loop0 + loop_row · B), plus, for a draft model with a fit of its own, one draft forward of B rows per
 tree level. B = 1 stays the profile's one-sequence step (task=measure decodes a batch of one alone).
+The autoregressive step's 1-token forward, where the fit has it (``ar_context`` > 0), is the loop's own
+timed forward (ar0 + ar_row · B at ar_context cached tokens, kv · B per token beyond), not the grid's.
 """
 
 from __future__ import annotations
