@@ -78,7 +78,7 @@ def ar_check(args: argparse.Namespace) -> None:
     in one process: per B the medians over rounds and of the per-round ratio."""
     import torch
 
-    from methods.measurement.batch_cost import time_ar_loop, time_grid
+    from methods.measurement.batch_cost import time_ar_loop, time_consecutive, time_grid
     from methods.models import load_models
     from run import compose_run_config
 
@@ -101,6 +101,10 @@ def ar_check(args: argparse.Namespace) -> None:
         ratios = [x / y for x, y in zip(grid[b], loop[b])]
         print(f"{b:3d} {statistics.median(grid[b]) * 1e3:8.3f} {statistics.median(loop[b]) * 1e3:8.3f} "
               f"{statistics.median(ratios):10.3f}  " + " ".join(f"{x:.2f}" for x in ratios))
+    b = 16 if 16 in args.batches else max(args.batches)
+    seq = time_consecutive(model, b, at, rounds=max(args.ar_check, 3))
+    print(f"B {b}: the 1st..{len(seq)}th 1-token forward in a row after another engine's forward (the grid "
+          "times the 2nd), ms: " + " ".join(f"{t * 1e3:.2f}" for t in seq))
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:

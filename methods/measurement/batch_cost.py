@@ -87,6 +87,31 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
+def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0
+                     ) -> list[float]:
+    """Seconds of the 1st..k-th 1-token forward in a row over ``batch`` rows of ``context`` cached tokens,
+    each run of k after a 32-token forward of another engine (what the grid's rotation does between cells),
+    median per position over ``rounds``: whether the grid's one untimed forward before the timed one
+    reaches the steady state of a decode loop's back-to-back steps."""
+    from specsim.tree import Tree
+
+    engine, other = _engine(model, batch, context, 1, seed), _engine(model, batch, context, 32, seed + 1)
+    g = torch.Generator().manual_seed(seed + 3)
+    vocab = int(model.config.vocab_size)
+    x, x_other = (torch.randint(0, vocab, (batch, n), generator=g) for n in (1, 32))
+    one, chain = [Tree.chain(0)], [Tree.chain(31)]
+    times = np.zeros((rounds, k))
+    for r in range(rounds):
+        other.forward_trees(x_other, chain)
+        other.drop_pending()
+        for i in range(k):
+            t0 = time.perf_counter()
+            engine.forward_trees(x, one)
+            times[r, i] = time.perf_counter() - t0
+            engine.drop_pending()
+    return [float(v) for v in np.median(times, axis=0)]
+
+
 def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Sequence[int], context: int,
                 steps: int, reps: int, seed: int) -> dict[tuple[str, int], list[Any]]:
     """(side, B) → the BatchResults of ``reps`` runs of the batched decode loop on ``model`` (the first round

@@ -116,3 +116,8 @@ def test_the_loops_one_token_forward_is_timed_and_prices_the_fit(tiny_models, tm
     assert batch_cost.load_batch_fit(cfg, tmp_path) == fit
     doc = json.loads(path.read_text())
     assert [row[0] for row in doc["loop_forward"]] == [1, 2, 3]
+
+
+def test_time_consecutive_times_each_forward_of_a_run(tiny_target):
+    times = batch_cost.time_consecutive(tiny_target, 2, 8, k=3, rounds=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
