@@ -42,7 +42,7 @@ Grid = dict[tuple[int, int, int], float]  # (B, n, context) → seconds
 def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     import torch
 
-    from methods.measurement.batch_cost import time_ar_loop, time_draft_loop, time_grid
+    from methods.measurement.batch_cost import loop_steps, time_ar_loop, time_draft_loop, time_grid
     from methods.models import load_models
     from run import compose_run_config
 
@@ -65,7 +65,7 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
         loop = time_draft_loop(models.target, drafter, fit, args.batches, ctx, reps=args.reps)
         ar = {}
     else:
-        ar = time_ar_loop(model, args.batches, ctx, reps=args.reps)
+        ar = time_ar_loop(model, args.batches, ctx, loop_steps([ctx, *args.contexts]), reps=args.reps)
         loop = {b: s.outside_s for b, s in ar.items()}
     return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
                   "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()],

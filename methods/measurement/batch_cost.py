@@ -172,6 +172,12 @@ def time_ar_loop(model: Any, batches: Sequence[int], context: int, steps: int = 
     return out
 
 
+def loop_steps(contexts: Sequence[int], least: int = 16) -> int:
+    """Steps of the calibration's autoregressive loop: from the grid's first context across its range (the
+    code workload's 128 → 192: the loop's forwards attend to the contexts the runs do), at least ``least``."""
+    return max(least, max(contexts) - contexts[0])
+
+
 def time_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
               seed: int = 0) -> dict[int, float]:
     """B → median over ``reps`` runs of the batched decode loop's seconds per step outside the target
@@ -300,7 +306,7 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
     fit = fit_batch_cost(grid, contexts[0])
     ar: dict[int, LoopStep] = {}
     if role == "target":
-        ar = time_ar_loop(model, batches, contexts[0], reps=reps, seed=cfg.seed)
+        ar = time_ar_loop(model, batches, contexts[0], loop_steps(contexts), reps=reps, seed=cfg.seed)
         loop = {b: s.outside_s for b, s in ar.items()}
         fit = with_ar(fit, ar)
     elif drafter is not None:

@@ -121,3 +121,8 @@ def test_the_loops_one_token_forward_is_timed_and_prices_the_fit(tiny_models, tm
 def test_time_consecutive_times_each_forward_of_a_run(tiny_target):
     times = batch_cost.time_consecutive(tiny_target, 2, 8, k=3, rounds=2)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_the_calibration_loop_runs_across_the_grids_contexts():
+    assert batch_cost.loop_steps([128, 192]) == 64  # the code workload: prompt 128, 64 new tokens
+    assert batch_cost.loop_steps([128]) == 16 and batch_cost.loop_steps([8, 12]) == 16
