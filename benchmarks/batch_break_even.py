@@ -35,6 +35,14 @@ GPU_METHODS = [  # (label, overrides)
 ]
 
 
+BUDGET_METHODS = [  # (label, overrides): trees the cost model sizes, re-chosen at each B
+    ("sequoia", ["method=sequoia", "tree=sequoia"]),
+    ("eagle2", ["method=eagle2", "tree.total_tokens=60", "tree.depth=6", "tree.top_k=10",
+                "tree.budgets=[1,2,4,8,16,32,64]"]),
+]
+BUDGET_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
 def _fmt_b(b: float | None) -> str:
     return ">4096" if b is None else f"{b:.1f}"
 
@@ -54,12 +62,14 @@ def gpu_table(contexts: list[int]) -> None:
                 b_star = batch.break_even_batch(cfg)
                 print(f"{label:30s} {hw:5s} {ctx:5d}  " + " ".join(f"{s:6.2f}" for _, _, s, _ in curve)
                       + f"  {_fmt_b(b_star):>7s}  {curve[0][3].size}")
-    print("\nSequoia's budget per sequence (nodes incl. root) at each B, a100/h100, the workload's context:")
-    for hw in ("a100", "h100"):
-        cfg = compose_run_config("task=simulate", "model=llama2_7b", f"hardware={hw}", "method=sequoia",
-                                 "tree=sequoia")
-        rows = batch.best_budget_by_batch(cfg, [1, 2, 4, 8, 16, 32, 64, 128, 256])
-        print(f"  {hw}: " + ", ".join(f"B={r['batch_size']}: {r['budget']}" for r in rows))
+    print("\nThe optimal budget per sequence (nodes incl. root) at each B (batch.best_budget_by_batch), the "
+          "workload's context: Sequoia's selection over tree.budgets, and EAGLE-2's dynamic tree over the "
+          "same budgets (the paper's A100 values: total_tokens 60, depth 6, top_k 10):")
+    for label, overrides in BUDGET_METHODS:
+        for hw in ("a100", "h100"):
+            cfg = compose_run_config("task=simulate", "model=llama2_7b", f"hardware={hw}", *overrides)
+            rows = batch.best_budget_by_batch(cfg, BUDGET_BATCHES)
+            print(f"  {label:8s} {hw}: " + ", ".join(f"B={r['batch_size']}: {r['budget']}" for r in rows))
 
 
 def cpu_prediction(method: str, threads: int) -> pd.DataFrame:

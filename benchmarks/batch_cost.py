@@ -11,10 +11,14 @@ roofline.
     python benchmarks/batch_cost.py --contexts 128 192 --reps 5 --json out.json
     python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
     python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
+    python benchmarks/batch_cost.py --ar-check 5                     # grid vs loop 1-token forward only
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
-the target also the batched decode loop's time per step outside the forward, at each B (its own timers,
-methods.measurement.batch_cost.time_loop), which the simulator adds to every batched step.
+the target also the batched decode loop's autoregressive step at each B (its own timers,
+methods.measurement.batch_cost.time_ar_loop): its time outside the forward, which the simulator adds to
+every batched step, and its 1-token forward, which prices the autoregressive step (printed beside the grid's
+fit at the same B and context). ``--ar-check N``: only that comparison, N rounds of the grid's 1-token cells
+(its procedure: an untimed forward, then the timed one) and the loop, interleaved round by round.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ Grid = dict[tuple[int, int, int], float]  # (B, n, context) → seconds
 def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     import torch
 
-    from methods.measurement.batch_cost import time_draft_loop, time_grid, time_loop
+    from methods.measurement.batch_cost import loop_steps, time_ar_loop, time_draft_loop, time_grid
     from methods.models import load_models
     from run import compose_run_config
 
@@ -59,10 +63,48 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
         drafter = build_drafter(cfg.method, Tree.chain(int(cfg.tree.gamma)), models, SamplingParams(0.0))
         fit = fit_batch_cost(grid, ctx)
         loop = time_draft_loop(models.target, drafter, fit, args.batches, ctx, reps=args.reps)
+        ar = {}
     else:
-        loop = time_loop(model, args.batches, ctx, reps=args.reps)
+        ar = time_ar_loop(model, args.batches, ctx, loop_steps([ctx, *args.contexts]), reps=args.reps)
+        loop = {b: s.outside_s for b, s in ar.items()}
     return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
-                  "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()]}
+                  "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()],
+                  "loop_forward": [[b, s.forward_s, s.context] for b, s in ar.items()]}
+
+
+def ar_check(args: argparse.Namespace) -> None:
+    """The grid's 1-token forward (time_grid's procedure, at the loop's mean context) and the batched
+    loop's autoregressive forward (time_ar_loop, prompts of the first context), interleaved round by round
+    in one process: per B the medians over rounds and of the per-round ratio."""
+    import torch
+
+    from methods.measurement.batch_cost import time_ar_loop, time_consecutive, time_grid
+    from methods.models import load_models
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    model = load_models(cfg.model, "cpu", args.dtype).target
+    ctx, steps = min(args.contexts), 16
+    at = round(ctx + (steps - 1) / 2)  # the loop's mean cached tokens per row
+    grid: dict[int, list[float]] = {b: [] for b in args.batches}
+    loop: dict[int, list[float]] = {b: [] for b in args.batches}
+    for r in range(args.ar_check):
+        g = time_grid(model, args.batches, [1], [at], reps=3, warmup=1, seed=r)
+        for b, s in time_ar_loop(model, args.batches, ctx, steps=steps, reps=1, seed=r).items():
+            grid[b].append(g[(b, 1, at)])
+            loop[b].append(s.forward_s)
+    print(f"1-token forward, grid (context {at}) vs the loop's (context {ctx}..{ctx + steps - 1}), "
+          f"{args.ar_check} rounds, ms (median):")
+    print(f"{'B':>3} {'grid':>8} {'loop':>8} {'grid/loop':>10}  per round")
+    for b in args.batches:
+        ratios = [x / y for x, y in zip(grid[b], loop[b])]
+        print(f"{b:3d} {statistics.median(grid[b]) * 1e3:8.3f} {statistics.median(loop[b]) * 1e3:8.3f} "
+              f"{statistics.median(ratios):10.3f}  " + " ".join(f"{x:.2f}" for x in ratios))
+    b = 16 if 16 in args.batches else max(args.batches)
+    seq = time_consecutive(model, b, at, rounds=max(args.ar_check, 3))
+    print(f"B {b}: the 1st..{len(seq)}th 1-token forward in a row after another engine's forward (the grid "
+          "times the 2nd), ms: " + " ".join(f"{t * 1e3:.2f}" for t in seq))
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
@@ -70,8 +112,8 @@ def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
     return float(np.median(e)), float(e.max())
 
 
-def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float]) -> BatchFit:
-    from methods.measurement.batch_cost import with_loop
+def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None) -> BatchFit:
+    from methods.measurement.batch_cost import with_ar, with_loop
     from run import compose_run_config
 
     keys = sorted(grid)
@@ -112,10 +154,21 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float]) -> Batc
             t_fwd = float(fit.time(bb, 1, ref_ctx))
             print(f"  B {bb:3d}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} fitted "
                   f"({tt / t_fwd:.0%} of a 1-token forward)")
+    if ar:
+        grid_fit = fit
+        fit = with_ar(fit, ar)
+        print(f"\nthe loop's 1-token forward (autoregressive, mean context {fit.ar_context:.1f}): "
+              f"{fit.ar0 * 1e3:.3f} ms + {fit.ar_row * 1e6:.1f} us per row; against the grid's fit there")
+        for bb, s in sorted(ar.items()):
+            g = float(grid_fit.time(bb, 1, s.context))
+            line = float(fit.time(bb, 1, s.context))
+            print(f"  B {bb:3d}: loop {s.forward_s * 1e3:6.3f} ms, line {line * 1e3:6.3f}, grid fit "
+                  f"{g * 1e3:6.3f} (grid / loop {g / s.forward_s:.3f})")
     return fit
 
 
-def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float]) -> None:
+def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None
+          ) -> None:
     import torch
 
     from methods.measurement.batch_cost import batch_profile_path, save_batch_fit
@@ -124,7 +177,8 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, f
     torch.set_num_threads(args.threads)
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
                              "device=cpu")
-    path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid, loop)
+    path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid, loop,
+                          ar)
     print(f"\nstored: {path}")
 
 
@@ -146,7 +200,11 @@ def main() -> None:
     ap.add_argument("--no-store", action="store_true", help="do not store the fit in the profile cache")
     ap.add_argument("--draft", action="store_true",
                     help="time the draft model's forward (its own t(B, n) fit, the vanilla draft step at B)")
+    ap.add_argument("--ar-check", type=int, default=0, metavar="N",
+                    help="only compare the grid's 1-token forward with the loop's, N interleaved rounds")
     args = ap.parse_args()
+    if args.ar_check:
+        return ar_check(args)
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         grid = {(int(b), int(n), int(c)): float(t) for b, n, c, t in doc["grid"]}
@@ -158,10 +216,14 @@ def main() -> None:
         if args.json:
             rows = [[*k, v] for k, v in sorted(grid.items())]
             Path(args.json).write_text(json.dumps({**doc, "grid": rows}))
+    from methods.measurement.batch_cost import LoopStep
+
     loop = {int(b): float(t) for b, t in doc.get("loop", [])}
-    fit = report(grid, args, loop)
+    ar = {int(b): LoopStep(loop.get(int(b), 0.0), float(t), float(c))
+          for b, t, c in doc.get("loop_forward", [])}
+    fit = report(grid, args, loop, ar)
     if not args.no_store:
-        store(fit, grid, args, loop)
+        store(fit, grid, args, loop, ar)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ loop runs it — another engine than the one-sequence loop the profile timed: th
 fit(B, n) at the workload's context, plus the batched loop's own work outside the forward (timed by running
 it: loop0 + loop_row · B), plus, for a draft model with a fit of its own, one draft forward of B rows per
 tree level. B = 1 stays the profile's one-sequence step (task=measure decodes a batch of one alone).
+The autoregressive step's 1-token forward, where the fit has it (``ar_context`` > 0), is the loop's own
+timed forward (ar0 + ar_row · B at ar_context cached tokens, kv · B per token beyond), not the grid's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import numpy as np
 from specsim.config import HardwareConfig, RunConfig
 from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
 
-BATCH_FIT_FORMAT = 2  # bump when BatchFit's fields or their meaning change (2: the loop's own time)
+BATCH_FIT_FORMAT = 3  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
+# 1-token forward as the loop runs it)
 BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
 MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
 
@@ -145,6 +148,12 @@ class BatchFit:
     loop0: float = 0.0
     loop_row: float = 0.0
     kv_tree: float | None = None  # per row and cached token in a forward of n >= 2 tokens (None: kv)
+    # the 1-token (autoregressive) forward as the batched loop runs it, timed in that loop at each B with
+    # ar_context cached tokens per row on average: ar0 + ar_row · B, plus kv · B per cached token beyond
+    # ar_context; ar_context 0: the grid's terms price n = 1 too
+    ar0: float = 0.0
+    ar_row: float = 0.0
+    ar_context: float = 0.0
 
     def loop_time(self, batch: Any) -> float | np.ndarray:
         t = self.loop0 + self.loop_row * np.asarray(batch, float)
@@ -157,7 +166,14 @@ class BatchFit:
         memory = self.w + kv * b * ctx
         compute = self.tok * b * n + self.att * b * n * (ctx + n)
         t = self.t0 + (np.maximum(memory, compute) if self.form == "max" else memory + compute)
+        if self.ar_context > 0:  # n = 1: the loop's own timed forward
+            t = np.where(n == 1, self.ar_time(b, ctx), t)
         return float(t) if np.ndim(t) == 0 else t
+
+    def ar_time(self, batch: Any, context: Any) -> np.ndarray:
+        """The loop-timed 1-token forward, ``batch`` rows of ``context`` cached tokens (ar_context > 0)."""
+        b = np.asarray(batch, float)
+        return self.ar0 + self.ar_row * b + self.kv * b * (np.asarray(context, float) - self.ar_context)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,7 +7,8 @@ context length, each row verifies a chain of n nodes (a tree of n nodes costs th
 mask differs), and the nodes are dropped after each forward, so every repetition sees the same KV length.
 The batched decode loop's own work per step outside the forward (verification, commit, per-row host
 bookkeeping) is timed by running that loop (methods.core.batch_loop.decode_batch, autoregressively) at each
-B and read from its timers (:func:`time_loop`); loop0 + loop_row · B is fitted to it (:func:`fit_loop`).
+B and read from its timers (:func:`time_ar_loop`); loop0 + loop_row · B is fitted to it (:func:`fit_loop`),
+and the same run's 1-token forwards price the autoregressive step's forward (:func:`with_ar`).
 The fitted coefficients are stored next to the device profiles (<cache>/profiles/batch-<key>.json),
 keyed by the target model, device, threads and torch version (:func:`batch_key`), with their own format
 number: the single-row profile format is unchanged.
@@ -20,7 +21,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,31 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
+def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0
+                     ) -> list[float]:
+    """Seconds of the 1st..k-th 1-token forward in a row over ``batch`` rows of ``context`` cached tokens,
+    each run of k after a 32-token forward of another engine (what the grid's rotation does between cells),
+    median per position over ``rounds``: whether the grid's one untimed forward before the timed one
+    reaches the steady state of a decode loop's back-to-back steps."""
+    from specsim.tree import Tree
+
+    engine, other = _engine(model, batch, context, 1, seed), _engine(model, batch, context, 32, seed + 1)
+    g = torch.Generator().manual_seed(seed + 3)
+    vocab = int(model.config.vocab_size)
+    x, x_other = (torch.randint(0, vocab, (batch, n), generator=g) for n in (1, 32))
+    one, chain = [Tree.chain(0)], [Tree.chain(31)]
+    times = np.zeros((rounds, k))
+    for r in range(rounds):
+        other.forward_trees(x_other, chain)
+        other.drop_pending()
+        for i in range(k):
+            t0 = time.perf_counter()
+            engine.forward_trees(x, one)
+            times[r, i] = time.perf_counter() - t0
+            engine.drop_pending()
+    return [float(v) for v in np.median(times, axis=0)]
+
+
 def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Sequence[int], context: int,
                 steps: int, reps: int, seed: int) -> dict[tuple[str, int], list[Any]]:
     """(side, B) → the BatchResults of ``reps`` runs of the batched decode loop on ``model`` (the first round
@@ -118,16 +144,45 @@ def _outside(r: Any) -> float:
     return r.time_total_s - r.time_prefill_s - r.time_forward_s
 
 
-def time_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
-              seed: int = 0) -> dict[int, float]:
-    """B → median over ``reps`` runs of the batched decode loop's seconds per step outside the target
-    forward ((total − prefill − forward) / steps, the loop's own timers), decoding autoregressively."""
+@dataclass(frozen=True)
+class LoopStep:
+    """The batched loop's autoregressive step at one B, medians over runs: seconds per step outside the
+    target forward and in it, and the mean cached tokens per row at its forwards."""
+
+    outside_s: float
+    forward_s: float
+    context: float
+
+
+def time_ar_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
+                 seed: int = 0) -> dict[int, LoopStep]:
+    """B → the batched decode loop's autoregressive step (its own timers, medians over ``reps`` runs):
+    (total − prefill − forward) / steps outside the target forward, forward / steps in it. Prompts of
+    ``context`` + 1 tokens, no EOS: step k attends to context + k cached tokens per row."""
     from methods.core.batch_drafter import batched
     from methods.drafters.autoregressive import Autoregressive
 
     sides = {"ar": lambda b: batched(Autoregressive(), b)}
     runs = _loop_steps(model, sides, batches, context, steps, reps, seed)
-    return {b: _per_step(runs[("ar", b)], _outside) for b in batches}
+    out = {}
+    for b in batches:
+        rs = runs[("ar", b)]
+        mean_ctx = statistics.mean(context + (r.n_steps - 1) / 2 for r in rs)
+        out[b] = LoopStep(_per_step(rs, _outside), _per_step(rs, lambda r: r.time_forward_s), mean_ctx)
+    return out
+
+
+def loop_steps(contexts: Sequence[int], least: int = 16) -> int:
+    """Steps of the calibration's autoregressive loop: from the grid's first context across its range (the
+    code workload's 128 → 192: the loop's forwards attend to the contexts the runs do), at least ``least``."""
+    return max(least, max(contexts) - contexts[0])
+
+
+def time_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
+              seed: int = 0) -> dict[int, float]:
+    """B → median over ``reps`` runs of the batched decode loop's seconds per step outside the target
+    forward ((total − prefill − forward) / steps, the loop's own timers), decoding autoregressively."""
+    return {b: s.outside_s for b, s in time_ar_loop(model, batches, context, steps, reps, seed).items()}
 
 
 def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[int], context: int,
@@ -178,7 +233,8 @@ def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[
 
 def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
     """(loop0, loop_row) ≥ 0: least squares of loop0 + loop_row · B on the timed loop (B → seconds; a
-    negative time, a draft fit over-reading the loop's forwards, counts as 0)."""
+    negative time, a draft fit over-reading the loop's forwards, counts as 0). The loop's 1-token forward
+    (:func:`with_ar`) is fitted the same way."""
     b = np.array(sorted(loop), float)
     t = np.maximum(np.array([loop[int(x)] for x in b]), 0.0)
     if len(b) < 2:
@@ -215,10 +271,13 @@ def batch_profile_path(cfg: RunConfig, cache: Path | None = None, role: str = "t
 
 
 def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float],
-                   loop: dict[int, float] | None = None) -> Path:
+                   loop: dict[int, float] | None = None, ar: dict[int, LoopStep] | None = None) -> Path:
+    """``ar``: the loop's autoregressive steps the fit's 1-token forward was fitted to (B, seconds in the
+    forward, mean cached tokens per row), kept beside the grid."""
     doc = {"format": BATCH_FIT_FORMAT, "fit": fit.to_json(),
            "grid": [[*k, t] for k, t in sorted(grid.items())],
-           "loop": [[b, t] for b, t in sorted((loop or {}).items())]}
+           "loop": [[b, t] for b, t in sorted((loop or {}).items())],
+           "loop_forward": [[b, s.forward_s, s.context] for b, s in sorted((ar or {}).items())]}
     return atomic_write_json(path, doc)
 
 
@@ -247,18 +306,32 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
     path)."""
     grid = time_grid(model, batches, sizes, contexts, reps, warmup, cfg.seed)
     fit = fit_batch_cost(grid, contexts[0])
+    ar: dict[int, LoopStep] = {}
     if role == "target":
-        loop = time_loop(model, batches, contexts[0], reps=reps, seed=cfg.seed)
+        ar = time_ar_loop(model, batches, contexts[0], loop_steps(contexts), reps=reps, seed=cfg.seed)
+        loop = {b: s.outside_s for b, s in ar.items()}
+        fit = with_ar(fit, ar)
     elif drafter is not None:
         loop = time_draft_loop(target, drafter, fit, batches, contexts[0], reps=reps, seed=cfg.seed)
     else:
         loop = {}
     if loop:
         fit = with_loop(fit, loop)
-    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop)
+    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop, ar)
 
 
 def with_loop(fit: BatchFit, loop: dict[int, float]) -> BatchFit:
     """``fit`` with the loop's time outside the forward fitted to ``loop`` (B → seconds per step)."""
     loop0, loop_row = fit_loop(loop)
     return replace(fit, loop0=loop0, loop_row=loop_row)
+
+
+def with_ar(fit: BatchFit, ar: dict[int, LoopStep]) -> BatchFit:
+    """``fit`` whose 1-token forward is the loop's own (``ar``: B → its autoregressive step, time_ar_loop):
+    ar0 + ar_row · B fitted to the loop's forwards at their mean context (one context for every B), the
+    grid's kv term carrying it to other contexts. The grid's 1-token cell is timed back to back with an
+    untimed copy of itself between the other cells; what the loop's step costs is what prices its steps."""
+    if not ar:
+        return fit
+    ar0, ar_row = fit_loop({b: s.forward_s for b, s in ar.items()})
+    return replace(fit, ar0=ar0, ar_row=ar_row, ar_context=statistics.mean(s.context for s in ar.values()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -92,3 +93,36 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
                                             warmup=0, cache=tmp_path, role="draft",
                                             target=tiny_models.target, drafter=drafter)
     assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit
+
+
+def test_with_ar_fits_the_loops_one_token_forward_at_its_context():
+    steps = {b: batch_cost.LoopStep(1e-4, 2e-3 + 3e-4 * b, 135.5) for b in (1, 2, 4, 8)}
+    fit = batch_cost.with_ar(BatchFit(1e-3, 1e-3, 1e-9, 1e-5, 0.0, 160), steps)
+    assert (fit.ar0, fit.ar_row, fit.ar_context) == pytest.approx((2e-3, 3e-4, 135.5))
+    assert fit.time(8, 1, 135.5) == pytest.approx(2e-3 + 8 * 3e-4)
+    assert batch_cost.with_ar(fit, {}) == fit
+
+
+def test_the_loops_one_token_forward_is_timed_and_prices_the_fit(tiny_models, tmp_path, run_config):
+    """Real timings of a tiny model: each B has a forward and a time outside it, at the prompts' context
+    plus half the steps; calibrate_batch's fit prices n = 1 from them and keeps them beside the grid."""
+    ar = batch_cost.time_ar_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
+    assert set(ar) == {1, 2} and all(s.forward_s > 0 and s.outside_s > 0 for s in ar.values())
+    assert all(s.context == pytest.approx(9.0) for s in ar.values())  # 8 cached, then 9, 10
+    cfg = run_config("model=micro", "threads=1", "device=cpu")
+    fit, _, path = batch_cost.calibrate_batch(cfg, tiny_models.target, [8], [1, 2, 3], [1, 2, 4], reps=1,
+                                              warmup=0, cache=tmp_path)
+    assert fit.ar_context == pytest.approx(8 + 7.5) and fit.ar0 + fit.ar_row > 0  # 16 steps
+    assert batch_cost.load_batch_fit(cfg, tmp_path) == fit
+    doc = json.loads(path.read_text())
+    assert [row[0] for row in doc["loop_forward"]] == [1, 2, 3]
+
+
+def test_time_consecutive_times_each_forward_of_a_run(tiny_target):
+    times = batch_cost.time_consecutive(tiny_target, 2, 8, k=3, rounds=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_the_calibration_loop_runs_across_the_grids_contexts():
+    assert batch_cost.loop_steps([128, 192]) == 64  # the code workload: prompt 128, 64 new tokens
+    assert batch_cost.loop_steps([128]) == 16 and batch_cost.loop_steps([8, 12]) == 16

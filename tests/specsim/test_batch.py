@@ -324,3 +324,21 @@ def test_the_fit_tells_the_one_query_kv_read_from_the_trees():
     assert fit.rel_error_max < 0.01 and fit.kv_tree == pytest.approx(3e-9, rel=0.05)
     plain = dataclasses.replace(truth, kv_tree=None)
     assert plain.time(16, 2) - plain.time(16, 1) < truth.time(16, 2) - truth.time(16, 1)
+
+
+def test_the_one_token_forward_is_priced_by_the_loops_own_line_where_timed():
+    """ar_context > 0: t(B, 1) is the loop-timed line ar0 + ar_row·B at ar_context cached tokens, the kv
+    term carrying it to other contexts; forwards of n >= 2 tokens keep the grid's terms; ar_context 0: the
+    grid's terms price n = 1 too."""
+    grid = BatchFit(t0=1e-3, w=2e-3, kv=1e-9, tok=5e-5, att=0.0, context_tokens=160, form="sum", kv_tree=3e-9)
+    loop = dataclasses.replace(grid, ar0=1.5e-3, ar_row=2e-4, ar_context=140.0)
+    for b in (1, 4, 16):
+        assert loop.time(b, 1, 140) == pytest.approx(1.5e-3 + 2e-4 * b)
+        assert loop.time(b, 1, 200) == pytest.approx(1.5e-3 + 2e-4 * b + 1e-9 * b * 60)
+        assert loop.time(b, 1) == pytest.approx(1.5e-3 + 2e-4 * b + 1e-9 * b * 20)  # the fit's context
+        for n in (2, 5):
+            assert loop.time(b, n) == pytest.approx(grid.time(b, n))
+        assert grid.time(b, 1) != pytest.approx(loop.time(b, 1))
+    np.testing.assert_allclose(loop.time(np.array([2, 8]), np.array([1, 4])),
+                               [loop.time(2, 1), grid.time(8, 4)])
+    assert BatchFit.from_json(loop.to_json()) == loop
