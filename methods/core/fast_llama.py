@@ -272,10 +272,10 @@ class SubLayers:
 
 
 # Long forwards (a prefill: m new nodes over a mask that is causal among them) on CPU in float32 (the engine's
-# CPU attention dtype): attention by query
-# blocks, each over the keys up to its last node only. PyTorch's CPU flash kernel with a float mask reads and
-# exponentiates the whole (m, W) score matrix; at m = 127 (the benchmark prompts' prefill) this is ~3x faster
-# (benchmarks/README.md). Short forwards (decode steps, draft trees) keep the flash kernel: equal or faster.
+# CPU attention dtype): attention by query blocks, each over the keys up to its last node only. PyTorch's CPU
+# flash kernel with a float mask reads and exponentiates the whole (m, W) score matrix; at m = 127 (the
+# benchmark prompts' prefill) this was ~3x faster (under load, min of interleaved runs). Short forwards
+# (decode steps, draft trees) keep the flash kernel: equal or faster there.
 BLOCKED_MIN_ROWS = 64  # new nodes per sequence from which the blocked path is taken
 ATTN_BLOCK = 32  # query rows per block
 

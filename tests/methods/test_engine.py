@@ -271,3 +271,15 @@ def test_long_prefill_and_tree_equal_hf(tiny_target):
         path = [int(tokens[i]) for i in tree.path_to(node)[1:]]
         want = reference_logits(tiny_target, prompt + path)
         torch.testing.assert_close(logits[node], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_extend_logits_from_a_row(tiny_target, last_only):
+    """``logits_from`` (and ``last_only``): the same rows as the full forward's, and only those."""
+    ids = torch.arange(7, 19)
+    full = ModelEngine(tiny_target).extend(ids, list(range(-1, 11))).logits
+    engine = ModelEngine(tiny_target)
+    out = engine.extend(ids, list(range(-1, 11)), last_only=last_only, logits_from=9).logits
+    torch.testing.assert_close(out, full[11:] if last_only else full[9:], atol=ATOL, rtol=0)
+    with pytest.raises(AssertionError, match="logits from row"):
+        engine.extend(ids[:2], [11, 12], logits_from=2)
