@@ -205,7 +205,7 @@ class ModelEngine:
             return self._resume(tokens, tree, (bias, depths, anc), hidden, resume)
         assert self.pending == 0, "forward_tree starts from a fully committed cache"
         self._anc, self._pos = anc, (tree.depths + self.length).tolist()
-        return self._forward(tokens, bias, depths + self.length, hidden, last_only=False, layers=layers)
+        return self._forward(tokens, bias, depths + self.length, hidden, 0, layers=layers)
 
     def _resume(self, tokens: torch.Tensor, tree: Tree, consts: tuple, hidden: bool, resume: Resume
                 ) -> ForwardOut:
@@ -237,15 +237,19 @@ class ModelEngine:
     @inference
     def extend(
         self, tokens: torch.Tensor, parents: Sequence[int], hidden: bool = False, last_only: bool = False,
-        layers: tuple[int, ...] = (), sub: SubLayers | None = None,
+        layers: tuple[int, ...] = (), sub: SubLayers | None = None, logits_from: int = 0,
     ) -> ForwardOut:
         """Append pending nodes; parents[i] is a pending index (earlier, or one of these: P + j, j < i) or -1
-        for the committed prefix. Returns logits of all new nodes (or only the last). ``sub``: a partial
-        forward (self-drafting, lean Llama only) through those sub-layers, logits from the target's own final
-        norm and LM head on its last residual (early exit), KV written only into the layers whose attention
-        ran; ``residual`` comes back. Every pending node must have run the same sub-layers; drop them
-        (``drop_pending``) or continue them with ``forward_tree(..., resume=...)`` before a full forward."""
+        for the committed prefix. Returns logits of the new nodes from index ``logits_from`` on (or the last
+        one's only: ``last_only``); the LM head runs on those rows alone (a catch-up over a whole prompt needs
+        one or a few). ``sub``: a partial forward (self-drafting, lean Llama only) through those sub-layers,
+        logits from the target's own final norm and LM head on its last residual (early exit), KV written
+        only into the layers whose attention ran; ``residual`` comes back. Every pending node must have run
+        the same sub-layers; drop them (``drop_pending``) or continue them with ``forward_tree(...,
+        resume=...)`` before a full forward."""
         p0, n = self.pending, len(parents)
+        first = n - 1 if last_only else logits_from
+        assert 0 <= first < n, f"logits from row {first} of {n} new nodes"
         anc = np.zeros((p0 + n, p0 + n), dtype=bool)
         anc[:p0, :p0] = self._anc
         pos = self._pos + [0] * n
@@ -262,11 +266,11 @@ class ModelEngine:
         bias = None if rows.all() else self._bias(rows)
         position = torch.tensor(pos[p0:], dtype=torch.long, device=self.device)
         if sub is not None and not sub.is_full:
-            return self._partial(tokens, bias, position, last_only, sub)
-        return self._forward(tokens, bias, position, hidden, last_only, layers)
+            return self._partial(tokens, bias, position, first, sub)
+        return self._forward(tokens, bias, position, hidden, first, layers)
 
     def _partial(self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
-                 last_only: bool, sub: SubLayers) -> ForwardOut:
+                 logits_from: int, sub: SubLayers) -> ForwardOut:
         assert self.fast is not None, "partial forwards need the lean Llama forward (methods.core.fast_llama)"
         n = int(tokens.numel())
         start = self.length + self.pending - n
@@ -276,7 +280,7 @@ class ModelEngine:
         x = self.fast.layers_forward(x, position, mask, self.cache.layers, sub)  # (n, H) residual
         if bias is not None:
             mask[0, 0, :, self.length :].zero_()
-        h = self.fast.final_norm(x[-1:] if last_only else x)
+        h = self.fast.final_norm(x[logits_from:])
         return ForwardOut(self.fast.logits(h).float(), None, residual=x)
 
     def _check_kv(self, layers: Sequence[int], start: int) -> None:
@@ -287,7 +291,7 @@ class ModelEngine:
 
     def _forward(
         self, tokens: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor, hidden: bool,
-        last_only: bool, layers: tuple[int, ...] = (),
+        logits_from: int, layers: tuple[int, ...] = (),
     ) -> ForwardOut:
         n = int(tokens.numel())
         start = self.length + self.pending - n  # cache slots before these nodes
@@ -313,7 +317,7 @@ class ModelEngine:
                 taps = {i: out.hidden_states[i + 1][0] for i in layers}
         if bias is not None:  # the tree block of the mask becomes prefix columns later: restore zeros
             mask[0, 0, :, self.length :].zero_()
-        h_out = h[-1:] if last_only else h  # (n or 1, H)
+        h_out = h[logits_from:]  # (n - logits_from, H)
         logits = (self.fast.logits(h_out) if self.fast is not None else self.head(h_out)).float()
         features = torch.cat([taps[i] for i in layers], dim=-1) if taps is not None else None  # (n, k H)
         return ForwardOut(logits, h if hidden else None, features)

@@ -231,8 +231,7 @@ class FastLlama:
                     qk, v = qk.to(adt), v.to(adt)
                 qk, v = qk.view(rows, m, -1, d).transpose(1, 2), v.view(rows, m, -1, d).transpose(1, 2)
                 keys, values = cache.update(qk[:, hq:], v)  # (rows, Hkv, L, D)
-                att = F.scaled_dot_product_attention(qk[:, :hq], keys, values, attn_mask=mask,
-                                                     scale=self.scale, enable_gqa=gqa)  # (rows, Hq, m, D)
+                att = attention(qk[:, :hq], keys, values, mask, self.scale, gqa)  # (rows, Hq, m, D)
                 att = att.transpose(1, 2).reshape(n, -1)  # (n, Hq D)
                 x = x + linear(att.to(x.dtype) if cast else att, layer.w_o)
             if i not in skip_mlp:
@@ -270,6 +269,45 @@ class SubLayers:
     @property
     def is_full(self) -> bool:
         return self.start == 0 and self.stop is None and not self.skip_attn and not self.skip_mlp
+
+
+# Long forwards (a prefill: m new nodes over a mask that is causal among them) on CPU in float32 (the engine's
+# CPU attention dtype): attention by query blocks, each over the keys up to its last node only. PyTorch's CPU
+# flash kernel with a float mask reads and exponentiates the whole (m, W) score matrix; at m = 127 (the
+# benchmark prompts' prefill) this was ~3x faster (under load, min of interleaved runs). Short forwards
+# (decode steps, draft trees) keep the flash kernel: equal or faster there.
+BLOCKED_MIN_ROWS = 64  # new nodes per sequence from which the blocked path is taken
+ATTN_BLOCK = 32  # query rows per block
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, gqa: bool) -> torch.Tensor:
+    """softmax(q kᵀ · scale + mask) v for q (rows, Hq, m, D), keys/values (rows, Hkv, W, D), mask (rows, 1,
+    m, W) additive or None (attend to everything). The mask's contract (every engine's): new node i (0-based
+    among the m) attends to no key column past W - m + i — its own slot, nodes are appended in an order where
+    parents precede children — so the blocked path skips columns that are masked anyway."""
+    if mask is None or q.shape[2] < BLOCKED_MIN_ROWS or q.device.type != "cpu" or q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return blocked_attention(q, keys, values, mask, scale)
+
+
+def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float, block: int = ATTN_BLOCK) -> torch.Tensor:
+    """``attention`` by blocks of ``block`` query rows, each over the key columns up to its last row's own
+    slot (W - m + end): the columns skipped are masked for every row of the block (the mask's contract), so
+    the result is the full softmax's to float rounding."""
+    m, width = q.shape[2], keys.shape[2]
+    if keys.shape[1] != q.shape[1]:  # GQA: each KV head repeated for its query heads (HF's repeat_kv order)
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    out = []
+    for a in range(0, m, block):
+        b = min(m, a + block)
+        w = width - m + b  # keys this block's rows may attend to
+        scores = torch.matmul(q[:, :, a:b], keys[:, :, :w].transpose(-1, -2)).mul_(scale)
+        scores.add_(mask[:, :, a:b, :w])
+        out.append(torch.matmul(torch.softmax(scores, dim=-1), values[:, :, :w]))
+    return torch.cat(out, dim=2)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,10 @@ class StagedDrafter:
             tokens = feed
             if guess:
                 tokens = torch.cat([feed, torch.tensor(guess, dtype=torch.long, device=eng.device)])
-            logits = eng.extend(tokens, parents + list(range(first, first + len(guess)))).logits
+            # (1 + len(guess), V): the spine node's logits, then the guesses' (none for the catch-up's others)
+            logits = eng.extend(tokens, parents + list(range(first, first + len(guess))),
+                                logits_from=len(feed) - 1).logits
             self.draft_forwards += 1
-            logits = logits[len(feed) - 1 :]  # (1 + len(guess), V): the spine node's, then the guesses'
             self._accept(spine, rows, logits, guess, first, committed)
             if len(rows) < depth:  # the next spine node: fed with the next guesses
                 feed, parents = torch.tensor(spine[-1:], device=eng.device), [self._fed[len(rows) - 1]]

@@ -226,3 +226,60 @@ def test_lean_norm_and_rope_are_hf_bit_for_bit(tiny_target, dtype):
     want_q, want_k = apply_rotary_pos_emb(*heads_first, cos[None], sin[None])
     assert torch.equal(_rope(q, cos, fast.sin_rot[pos]), want_q[0].transpose(0, 1))
     assert torch.equal(_rope(k, cos, fast.sin_rot[pos]), want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize(("rows", "prefix", "heads", "kv_heads"), [(1, 0, 4, 4), (1, 9, 4, 2), (3, 5, 4, 2)])
+def test_blocked_attention_equals_sdpa(rows, prefix, heads, kv_heads):
+    """The long-forward attention (query blocks over the keys up to each block's last node) is SDPA's with the
+    full mask, for a causal prefill, a tree over a prefix, several rows with their own masks, and GQA."""
+    from methods.core.fast_llama import attention, blocked_attention
+
+    g = torch.Generator().manual_seed(rows + prefix)
+    m, d = 70, 16
+    width = prefix + m
+    q = torch.randn(rows, heads, m, d, generator=g)
+    k, v = (torch.randn(rows, kv_heads, width, d, generator=g) for _ in range(2))
+    allowed = torch.ones(rows, 1, m, width, dtype=torch.bool)
+    for r in range(rows):
+        tree = random_tree(m, seed=r) if prefix else Tree.chain(m - 1)  # new node i sees only nodes <= i
+        allowed[r, 0, :, prefix:] = torch.from_numpy(tree.ancestor_mask)
+    mask = torch.zeros(rows, 1, m, width).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5,
+                                                            enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(blocked_attention(q, k, v, mask, d**-0.5, block=16), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(attention(q, k, v, mask, d**-0.5, heads != kv_heads), want, atol=1e-5, rtol=0)
+
+
+def test_long_prefill_and_tree_equal_hf(tiny_target):
+    """A prefill and a tree of more nodes than BLOCKED_MIN_ROWS (the blocked attention) give HF's logits."""
+    from methods.core.fast_llama import BLOCKED_MIN_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 300, (BLOCKED_MIN_ROWS + 20,), generator=g).tolist()
+    engine = ModelEngine(tiny_target)
+    out = engine.prefill(torch.tensor(prompt), hidden=True)
+    with torch.no_grad():
+        ref = tiny_target(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(out.hidden, ref, atol=ATOL, rtol=0)
+    tree = random_tree(BLOCKED_MIN_ROWS + 6, seed=4)
+    tokens = torch.randint(0, 300, (tree.size,), generator=g)
+    tokens[0] = prompt[-1]
+    engine.reset()
+    engine.prefill(torch.tensor(prompt[:-1]))
+    logits = engine.forward_tree(tokens, tree).logits
+    for node in (0, tree.size // 2, tree.size - 1):
+        path = [int(tokens[i]) for i in tree.path_to(node)[1:]]
+        want = reference_logits(tiny_target, prompt + path)
+        torch.testing.assert_close(logits[node], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_extend_logits_from_a_row(tiny_target, last_only):
+    """``logits_from`` (and ``last_only``): the same rows as the full forward's, and only those."""
+    ids = torch.arange(7, 19)
+    full = ModelEngine(tiny_target).extend(ids, list(range(-1, 11))).logits
+    engine = ModelEngine(tiny_target)
+    out = engine.extend(ids, list(range(-1, 11)), last_only=last_only, logits_from=9).logits
+    torch.testing.assert_close(out, full[11:] if last_only else full[9:], atol=ATOL, rtol=0)
+    with pytest.raises(AssertionError, match="logits from row"):
+        engine.extend(ids[:2], [11, 12], logits_from=2)

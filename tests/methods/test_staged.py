@@ -83,6 +83,26 @@ def test_second_stage_saves_draft_forwards_and_keeps_the_draft(tiny_models, stag
     assert staged.forwards_per_step < plain.forwards_per_step
 
 
+def test_draft_lm_head_runs_on_the_rows_it_reads(tiny_models):
+    """The catch-up forward over a whole prompt (q's cache starts empty) asks q's LM head for the spine
+    node's row and the guesses' only, not one row per prompt token; the draft is the same."""
+    depth, gamma = 3, 2
+    drafter = build_drafter(method(depth=depth, stage2="ngram", stage2_gamma=gamma, order=2), None,
+                            tiny_models, GREEDY)
+    fast = drafter.engine.fast
+    rows, logits = [], fast.logits
+    fast.logits = lambda h: rows.append(h.shape[0]) or logits(h)
+    prompt = torch.arange(3, 43)
+    res = decode(ModelEngine(tiny_models.target), drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, 12),
+                 torch.Generator().manual_seed(0))
+    assert rows and max(rows) <= 1 + gamma  # the first catch-up fed 40 tokens
+    fast.logits = logits
+    again = build_drafter(method(depth=depth, stage2="ngram", stage2_gamma=gamma, order=2), None,
+                          tiny_models, GREEDY)
+    assert decode(ModelEngine(tiny_models.target), again, prompt, DecodeOptions(Verifier.greedy, GREEDY, 12),
+                  torch.Generator().manual_seed(0)).token_ids == res.token_ids
+
+
 def test_config_errors(tiny_models):
     with pytest.raises(ValueError, match="stage2"):
         build_drafter(method(stage2="katz"), None, tiny_models, GREEDY)
