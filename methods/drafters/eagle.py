@@ -27,8 +27,7 @@ import torch
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.fast_llama import packing_works
 from methods.core.loop import subtree
-from methods.core.sampling import SamplingParams, probs
-from methods.drafters.medusa import _draw
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.drafters.params import checked_params
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
@@ -187,37 +186,30 @@ class EagleDrafter:
 
     # ---- static trees --------------------------------------------------------------------------------
     def _static(self, root: int, depth: int, ctx: DraftContext) -> Draft:
+        """Level by level: one head forward over the level's fed nodes, one choice of children for all of
+        their rows (q's top-r token for a rank-r child, or the r-th draw from q), the tree's bookkeeping on
+        the host in numpy (node → row of the level's g, the children's tokens). Sampled children come with
+        q's rows for the rejection verifiers; children beyond q's support (draws without replacement) or the
+        vocabulary are dropped with their subtrees."""
         tree = _cut(self.tree, depth)
         plan = self._plans.get(tree) or self._plans.setdefault(tree, _Plan.of(tree))
-        if self.mode == "topk":
-            tokens, keep = self._static_topk(root, depth, tree, plan)
-            q = None
-        else:
-            tokens, q, keep = self._static_sampled(root, depth, tree, plan, ctx.generator)
-        dev = ctx.tokens.device
-        if not keep.all():
-            keep_idx = np.flatnonzero(keep).tolist()
-            tree, tokens = subtree(tree, keep_idx), tokens[keep_idx]
-            q = q[keep_idx] if q is not None else None
-        ids = torch.from_numpy(tokens) if isinstance(tokens, np.ndarray) else tokens
-        return Draft(tree, ids.to(dev), None if q is None else q.to(dev))
-
-    def _static_topk(self, root: int, depth: int, tree: Tree, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
-        """q's top-r token for every rank-r child, one top-k per level; the tree's bookkeeping on the host in
-        numpy (node → row of the level's g, the children's tokens), one feed per level."""
         N, V = tree.size, self.head.cfg.vocab_size
         tokens, keep = np.full(N, root, dtype=np.int64), np.ones(N, dtype=bool)
+        q = torch.zeros(N, V) if self.mode != "topk" else None  # q[p]: the law of p's children
         slot = np.zeros(N, dtype=np.int64)  # node → its row in g / z (the last fed level)
         g, z = self.cache.last[None], self.head.logits(self.cache.last[None])  # the fed level's rows
-        first = -1  # the last fed level's first pending row (-1: the root's level, no pending rows)
+        fed, first = np.zeros(1, dtype=np.int64), -1  # the fed nodes; their first pending row (-1: the root)
         for d in range(1, depth + 1):
             kids = plan.kids[d - 1][keep[plan.kids[d - 1]]]
             if kids.size == 0:
                 break
-            cand = z.float().topk(min(plan.width[d - 1], V)).indices.cpu().numpy()  # (rows, w)
-            r = plan.ranks[kids]
-            ok = r < cand.shape[1]  # beyond the vocabulary: the child and its subtree are dropped
-            tokens[kids[ok]] = cand[slot[plan.parents[kids[ok]]], r[ok]]
+            cand, valid, qp = self._children(z, plan.width[d - 1], ctx.generator)  # (rows, w)
+            if q is not None:
+                q[torch.from_numpy(fed)] = qp.cpu()
+            r, s = plan.ranks[kids], slot[plan.parents[kids]]
+            ok = r < cand.shape[1]
+            ok[ok] = valid[s[ok], r[ok]]
+            tokens[kids[ok]] = cand[s[ok], r[ok]]
             if not ok.all():
                 keep &= ~plan.below[kids[~ok]].any(0)
             fed = plan.expand[d][keep[plan.expand[d]]] if d < depth else plan.expand[d][:0]
@@ -230,43 +222,28 @@ class EagleDrafter:
             g = self.cache.feed(g[rows], fed_tokens, d, prow)
             z = self.head.logits(g)
             slot[fed] = np.arange(fed.size)
-        return tokens, keep
+        ids = torch.from_numpy(tokens)
+        if not keep.all():
+            kept = np.flatnonzero(keep).tolist()
+            tree, ids, q = subtree(tree, kept), ids[kept], q[kept] if q is not None else None
+        dev = ctx.tokens.device
+        return Draft(tree, ids.to(dev), None if q is None else q.to(dev))
 
-    def _static_sampled(self, root: int, depth: int, tree: Tree, plan: _Plan, gen):
-        """The r-th draw from q for every rank-r child (sampling verifiers), with q's rows."""
-        N, V = tree.size, self.head.cfg.vocab_size
-        tokens = torch.full((N,), root, dtype=torch.long)
-        q, keep = torch.zeros(N, V), np.ones(N, dtype=bool)
-        g, z = self.cache.last[None], self.head.logits(self.cache.last[None]).float()  # the fed level's rows
-        slot = {0: 0}  # node → its row in g / z (the last fed level)
-        for d in range(1, depth + 1):
-            parents = [int(p) for p in plan.expand[d - 1] if keep[p]]
-            if not parents:
-                break
-            for p, lp in zip(parents, z[[slot[p] for p in parents]]):
-                self._fill(p, tree.children[p], tree, lp, tokens, q, keep, gen)
-            fed = [int(i) for i in plan.expand[d] if keep[i]] if d < depth else []
-            if fed:
-                base = self.cache.pending - len(slot) if d > 1 else None
-                pidx = torch.tensor([slot[tree.parents[i]] for i in fed])
-                prow = pidx + base if base is not None else torch.full((len(fed),), -1)
-                g = self.cache.feed(g[pidx], tokens[fed].to(g.device), d, prow)
-                z = self.head.logits(g).float()
-                slot = {i: j for j, i in enumerate(fed)}
-        return tokens, q, keep
-
-    def _fill(self, p: int, kids, tree: Tree, logits: torch.Tensor, tokens, q, keep, gen) -> None:
-        """Tokens of node p's children: the r-th draw from q (r = rank); children beyond q's support
-        (without replacement) are dropped with their subtrees."""
-        width = max(tree.ranks[k] for k in kids) + 1
-        qp = probs(logits, self.sampling)
-        q[p] = qp.cpu()
-        cands = _draw(qp, width, self.mode, gen).cpu()
-        for k in kids:
-            if tree.ranks[k] < cands.numel():
-                tokens[k] = cands[tree.ranks[k]]
-            else:
-                keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
+    def _children(self, z: torch.Tensor, width: int, gen
+                  ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """Candidates (rows, w) for every fed row at once, whether each exists, and q's rows (sampled modes):
+        q's top-w tokens; w i.i.d. draws (with replacement); or a draw without replacement (fewer where q's
+        support is smaller)."""
+        z = z.float()
+        if self.mode == "topk":
+            idx = z.topk(min(width, z.shape[-1])).indices.cpu().numpy()
+            return idx, np.ones(idx.shape, dtype=bool), None
+        qp = probs(z, self.sampling)  # (rows, V)
+        if self.mode == "with_replacement":
+            idx = torch.multinomial(qp, width, replacement=True, generator=gen)
+            return idx.cpu().numpy(), np.ones(idx.shape, dtype=bool), qp
+        idx, drawn = draw_without_replacement(qp, min(width, qp.shape[-1]), gen)
+        return idx.cpu().numpy(), drawn.cpu().numpy(), qp
 
     # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------
     def _dynamic(self, root: int, depth: int) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
@@ -347,12 +324,6 @@ def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], np.ndar
     parents = [-1, *np.where(p < 0, 0, index[p]).tolist()]
     return (parents, np.concatenate([[root], tok[chosen]]), np.concatenate([[0], rank[chosen]]),
             np.concatenate([[0.0], score[chosen]]))
-
-
-def _descends(tree: Tree, j: int, k: int) -> bool:
-    while j > k:
-        j = tree.parents[j]
-    return j == k
 
 
 def _cut(tree: Tree, depth: int) -> Tree:
