@@ -9,12 +9,13 @@ Notation: p = target, q = draft.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from specsim import sequoia
-from specsim.acceptance import AcceptanceLike, PositionalAcceptance, as_acceptance
+from specsim.acceptance import AcceptanceLike, DepthVectorAcceptance, PositionalAcceptance, as_acceptance
 from specsim.config import TreeConfig, TreeKind
 from specsim.cost import CostModel
 from specsim.expected import accepted_length_law
@@ -81,14 +82,52 @@ def build_tree(tree_cfg: TreeConfig, acceptance: AcceptanceLike, cost: CostModel
     raise ValueError(f"tree.kind: unknown {kind!r}")
 
 
+def kept_acceptance(tried: np.ndarray, accepted: np.ndarray) -> DepthVectorAcceptance:
+    """The (depth, rank) acceptance of the nodes a dynamic drafter KEPT: ``tried[d-1, r]`` counts its kept
+    depth-d rank-r nodes whose parent was accepted, ``accepted[d-1, r]`` those of them accepted; p_r(d) is
+    their ratio (0 where never tried). The positional vectors of a static tree's calibration average every
+    node at (depth, rank); EAGLE-2 keeps a node when its cumulative q is high, and q predicts acceptance
+    beyond (depth, rank): its kept nodes are accepted more often (code: priced τ −5% with the static
+    vectors). Conditional rates of siblings tried in different steps can sum past 1 (rank 1 tried only
+    where q was flat): such a depth's vector is scaled to sum to 1, the most a greedy walk accepts."""
+    tried, accepted = np.asarray(tried, dtype=float), np.asarray(accepted, dtype=float)
+    assert tried.shape == accepted.shape and tried.ndim == 2, (tried.shape, accepted.shape)
+    assert (accepted <= tried).all(), "more acceptances than tries"
+    p = np.divide(accepted, tried, out=np.zeros_like(tried), where=tried > 0)  # (D, W)
+    p = p / np.maximum(p.sum(1, keepdims=True), 1.0)
+    return DepthVectorAcceptance(tuple((0.0, *row, max(0.0, 1.0 - row.sum())) for row in p))
+
+
+@dataclass(frozen=True)
+class RecordedTrees(Mapping):
+    """A dynamic drafter's kept trees → how often each was proposed, and optionally the acceptance of the
+    nodes it kept, measured on those same steps (``kept_acceptance``): ``recorded_law`` prices the trees
+    with it instead of the static calibration's vectors."""
+
+    counts: Mapping[Tree, int]
+    acceptance: DepthVectorAcceptance | None = field(default=None)
+
+    def __getitem__(self, tree: Tree) -> int:
+        return self.counts[tree]
+
+    def __iter__(self) -> Iterator[Tree]:
+        return iter(self.counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
 def recorded_law(shapes: Mapping[Tree, int], acceptance: AcceptanceLike) -> np.ndarray:
     """The law of τ of a dynamic (EAGLE-2) drafter from the trees it actually kept: ``shapes`` maps each
     kept tree (its parents and sibling ranks: rank r = q's top-r child) to how often it was proposed, and
     the result is their frequency-weighted mixture of ``accepted_length_law`` under the positional
     (depth, rank) model, so Σ_k k·law[k] is the mean over the recorded trees of k̄ = Σ_v P(v accepted).
-    The trees are taken as given (their shape comes from q alone); acceptance only from ``acceptance``."""
+    The trees are taken as given (their shape comes from q alone); acceptance from ``acceptance``, or, where
+    ``shapes`` is a ``RecordedTrees`` with the kept nodes' own acceptance, from that (see kept_acceptance)."""
     total = sum(int(n) for n in shapes.values())
     assert shapes and total > 0, "need at least one recorded tree"
+    own = getattr(shapes, "acceptance", None)
+    acceptance = own if own is not None else acceptance
     law = np.zeros(max(t.depth for t in shapes) + 2)
     for tree, n in shapes.items():
         one = accepted_length_law(tree, acceptance)

@@ -27,8 +27,7 @@ import torch
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.fast_llama import packing_works
 from methods.core.loop import subtree
-from methods.core.sampling import SamplingParams, probs
-from methods.drafters.medusa import _draw
+from methods.core.sampling import SamplingParams, draw_without_replacement, probs
 from methods.drafters.params import checked_params
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
@@ -101,7 +100,12 @@ class EagleDrafter:
         # dynamic trees: each kept shape (parents, sibling ranks) → times proposed, so that the simulator
         # prices the trees this drafter builds (specsim.trees.recorded_law), not the best static one
         self.shapes: Counter[Tree] = Counter()
+        # dynamic trees: per (depth, rank) of a kept node whose parent was accepted, how often it was kept
+        # ([0]) and accepted ([1]): the acceptance of the nodes q keeps (specsim.trees.kept_acceptance)
+        self.kept = np.zeros((2, self.dynamic.depth, self.dynamic.top_k), dtype=np.int64) if self.dynamic \
+            else None
         self._plans: dict[Tree, _Plan] = {}  # static trees (cut to the remaining budget): their levels
+        self._trees: dict[tuple, Tree] = {}  # dynamic trees: (parents, ranks) → Tree, built once per shape
 
     @property
     def mean_tree_size(self) -> float | None:
@@ -130,7 +134,18 @@ class EagleDrafter:
         self.cache.reset()
 
     def feedback(self, fb: StepFeedback) -> None:
-        """Nothing to learn: the accepted tokens' features arrive in the next DraftContext."""
+        """Nothing to learn (the accepted tokens' features arrive in the next DraftContext); dynamic trees
+        count their kept nodes' outcomes: every child of an accepted node was tried, the next one on the
+        accepted path was accepted."""
+        if self.kept is None or fb.draft.tree.size < 2:
+            return
+        tree, path = fb.draft.tree, fb.accepted
+        depths, ranks = tree.depths, np.asarray(tree.ranks)
+        tried = [c for u in path for c in tree.children[u]]
+        np.add.at(self.kept[0], (depths[tried] - 1, ranks[tried]), 1)
+        if len(path) > 1:
+            hit = np.asarray(path[1:])
+            np.add.at(self.kept[1], (depths[hit] - 1, ranks[hit]), 1)
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft:
@@ -143,12 +158,20 @@ class EagleDrafter:
             if self.dynamic is not None:
                 parents, tokens, ranks, _ = self._dynamic(root, depth)
                 self._sizes[0], self._sizes[1] = self._sizes[0] + len(tokens), self._sizes[1] + 1
-                ids, tree = torch.tensor(tokens, device=ctx.tokens.device), Tree.from_parents(parents, ranks)
+                tree = self._tree_of(parents, ranks.tolist())
                 self.shapes[tree] += 1
-                return Draft(tree, ids)
+                return Draft(tree, torch.from_numpy(tokens.astype(np.int64)).to(ctx.tokens.device))
             return self._static(root, depth, ctx)
         finally:
             self.cache.drop_pending()
+
+    def _tree_of(self, parents: list[int], ranks: list[int]) -> Tree:
+        """The kept tree, built once per shape (a Tree validates its parents in Python)."""
+        key = (tuple(parents), tuple(ranks))
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = Tree.from_parents(parents, ranks)
+        return tree
 
     def _catch_up(self, ctx: DraftContext) -> None:
         """Append the committed rows not yet in the head's cache: features of x_j paired with x_{j+1}."""
@@ -163,131 +186,144 @@ class EagleDrafter:
 
     # ---- static trees --------------------------------------------------------------------------------
     def _static(self, root: int, depth: int, ctx: DraftContext) -> Draft:
+        """Level by level: one head forward over the level's fed nodes, one choice of children for all of
+        their rows (q's top-r token for a rank-r child, or the r-th draw from q), the tree's bookkeeping on
+        the host in numpy (node → row of the level's g, the children's tokens). Sampled children come with
+        q's rows for the rejection verifiers; children beyond q's support (draws without replacement) or the
+        vocabulary are dropped with their subtrees."""
         tree = _cut(self.tree, depth)
         plan = self._plans.get(tree) or self._plans.setdefault(tree, _Plan.of(tree))
         N, V = tree.size, self.head.cfg.vocab_size
-        tokens = torch.full((N,), root, dtype=torch.long)
-        q = torch.zeros(N, V) if self.mode != "topk" else None
-        keep = np.ones(N, dtype=bool)
-        g, z = self.cache.last[None], self.head.logits(self.cache.last[None]).float()  # the fed level's rows
-        slot = {0: 0}  # node → its row in g / z (the last fed level)
+        tokens, keep = np.full(N, root, dtype=np.int64), np.ones(N, dtype=bool)
+        q = torch.zeros(N, V) if self.mode != "topk" else None  # q[p]: the law of p's children
+        slot = np.zeros(N, dtype=np.int64)  # node → its row in g / z (the last fed level)
+        g, z = self.cache.last[None], self.head.logits(self.cache.last[None])  # the fed level's rows
+        fed, first = np.zeros(1, dtype=np.int64), -1  # the fed nodes; their first pending row (-1: the root)
         for d in range(1, depth + 1):
-            parents = [p for p in plan.expand[d - 1] if keep[p]]
-            if not parents:
+            kids = plan.kids[d - 1][keep[plan.kids[d - 1]]]
+            if kids.size == 0:
                 break
-            rows = z[[slot[p] for p in parents]]  # (n, V)
-            if self.mode == "topk":  # one top-k for the level: q's top-r token for a rank-r child
-                self._fill_topk(parents, rows.topk(min(plan.width[d - 1], V)).indices.tolist(), tree, tokens,
-                                keep)
-            else:
-                for p, lp in zip(parents, rows):
-                    self._fill(p, tree.children[p], tree, lp, tokens, q, keep, ctx.generator)
-            fed = [i for i in plan.expand[d] if keep[i]] if d < depth else []
-            if fed:
-                base = self.cache.pending - len(slot) if d > 1 else None
-                pidx = torch.tensor([slot[tree.parents[i]] for i in fed])
-                prow = pidx + base if base is not None else torch.full((len(fed),), -1)
-                g = self.cache.feed(g[pidx], tokens[fed].to(g.device), d, prow)
-                z = self.head.logits(g).float()
-                slot = {i: j for j, i in enumerate(fed)}
-        keep_idx = np.flatnonzero(keep).tolist()
+            cand, valid, qp = self._children(z, plan.width[d - 1], ctx.generator)  # (rows, w)
+            if q is not None:
+                q[torch.from_numpy(fed)] = qp.cpu()
+            r, s = plan.ranks[kids], slot[plan.parents[kids]]
+            ok = r < cand.shape[1]
+            ok[ok] = valid[s[ok], r[ok]]
+            tokens[kids[ok]] = cand[s[ok], r[ok]]
+            if not ok.all():
+                keep &= ~plan.below[kids[~ok]].any(0)
+            fed = plan.expand[d][keep[plan.expand[d]]] if d < depth else plan.expand[d][:0]
+            if fed.size == 0:
+                continue
+            pidx = slot[plan.parents[fed]]
+            prow = pidx + first if first >= 0 else np.full(fed.size, -1)
+            first = self.cache.pending
+            rows, fed_tokens = torch.from_numpy(pidx).to(g.device), torch.from_numpy(tokens[fed]).to(g.device)
+            g = self.cache.feed(g[rows], fed_tokens, d, prow)
+            z = self.head.logits(g)
+            slot[fed] = np.arange(fed.size)
+        ids = torch.from_numpy(tokens)
+        if not keep.all():
+            kept = np.flatnonzero(keep).tolist()
+            tree, ids, q = subtree(tree, kept), ids[kept], q[kept] if q is not None else None
         dev = ctx.tokens.device
-        if len(keep_idx) < N:
-            tree = subtree(tree, keep_idx)
-            tokens = tokens[keep_idx]
-            q = q[keep_idx] if q is not None else None
-        return Draft(tree, tokens.to(dev), None if q is None else q.to(dev))
+        return Draft(tree, ids.to(dev), None if q is None else q.to(dev))
 
-    @staticmethod
-    def _fill_topk(parents: list[int], cands: list[list[int]], tree: Tree, tokens, keep) -> None:
-        for p, c in zip(parents, cands):
-            for k in tree.children[p]:
-                if tree.ranks[k] < len(c):
-                    tokens[k] = c[tree.ranks[k]]
-                else:  # beyond the vocabulary: drop the child and its subtree
-                    keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
-
-    def _fill(self, p: int, kids, tree: Tree, logits: torch.Tensor, tokens, q, keep, gen) -> None:
-        """Tokens of node p's children: the r-th draw from q (r = rank); children beyond q's support
-        (without replacement) are dropped with their subtrees."""
-        width = max(tree.ranks[k] for k in kids) + 1
-        qp = probs(logits, self.sampling)
-        q[p] = qp.cpu()
-        cands = _draw(qp, width, self.mode, gen).cpu()
-        for k in kids:
-            if tree.ranks[k] < cands.numel():
-                tokens[k] = cands[tree.ranks[k]]
-            else:
-                keep[[j for j in range(k, tree.size) if _descends(tree, j, k)]] = False
+    def _children(self, z: torch.Tensor, width: int, gen
+                  ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+        """Candidates (rows, w) for every fed row at once, whether each exists, and q's rows (sampled modes):
+        q's top-w tokens; w i.i.d. draws (with replacement); or a draw without replacement (fewer where q's
+        support is smaller)."""
+        z = z.float()
+        if self.mode == "topk":
+            idx = z.topk(min(width, z.shape[-1])).indices.cpu().numpy()
+            return idx, np.ones(idx.shape, dtype=bool), None
+        qp = probs(z, self.sampling)  # (rows, V)
+        if self.mode == "with_replacement":
+            idx = torch.multinomial(qp, width, replacement=True, generator=gen)
+            return idx.cpu().numpy(), np.ones(idx.shape, dtype=bool), qp
+        idx, drawn = draw_without_replacement(qp, min(width, qp.shape[-1]), gen)
+        return idx.cpu().numpy(), drawn.cpu().numpy(), qp
 
     # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------
-    def _dynamic(self, root: int, depth: int) -> tuple[list[int], list[int], list[int], list[float]]:
+    def _dynamic(self, root: int, depth: int) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
         """(parents, tokens, ranks, scores) of the best ``total_tokens`` drafted nodes, parents first (scores:
-        cumulative log q, 0 for the root). Per level one head forward over the frontier, one top-k of its
-        children, one top-k of the next frontier."""
-        K, T = self.dynamic.top_k, self.dynamic.temperature
-        top = self._log_q(self.cache.last, T).topk(K)
-        ranks = torch.arange(K)
-        tok, score, par, rank, dep = [top.indices], [top.values], [torch.full((K,), -1)], [ranks], [1] * K
-        front = torch.arange(K)  # node ids of the frontier (drafted nodes numbered in creation order)
-        h, prow, ftok, fscore = self.cache.last.expand(K, -1), torch.full((K,), -1), top.indices, top.values
-        count = K
+        cumulative log q, 0 for the root). Per level one head forward over the frontier and one top-k of its
+        rows on the device; the candidates' bookkeeping (cumulative scores, the next frontier, the rerank) on
+        the host in numpy: the per-level small tensor ops cost as much as the head's matmuls on CPU."""
+        K = self.dynamic.top_k
+        val, idx = self._top_log_q(self.cache.last[None])  # (1, K)
+        tok, score, par, dep = [idx[0]], [val[0]], [np.full(K, -1)], [np.ones(K, dtype=np.int64)]
+        front, fscore, ftok = np.arange(K), val[0], torch.from_numpy(idx[0])
+        h, prow, count = self.cache.last.expand(K, -1), np.full(K, -1), K
         for d in range(2, depth + 1):
             first = self.cache.pending  # the frontier's pending rows: first .. first + n - 1
             out = self.cache.feed(h, ftok.to(h.device), d - 1, prow)
-            top = self._log_q(out, T).topk(K)  # (n, K)
+            val, idx = self._top_log_q(out)  # (n, K)
             n = out.shape[0]
-            cand = (fscore.to(top.values.device)[:, None] + top.values).flatten()  # cumulative log q
-            tok.append(top.indices.flatten()), score.append(cand), par.append(front.repeat_interleave(K))
-            rank.append(ranks.repeat(n)), dep.extend([d] * (n * K))
+            cand = (fscore[:, None] + val).ravel()  # (n K,) cumulative log q
+            tok.append(idx.ravel()), score.append(cand), par.append(np.repeat(front, K))
+            dep.append(np.full(n * K, d))
             if d < depth:
-                best = cand.topk(min(K, n * K)).indices
+                best = np.argsort(-cand, kind="stable")[:K]  # the next frontier: the K most confident
                 j = best // K  # the parent's slot in this level
-                front, h, prow = count + best, out[j], first + j
-                ftok, fscore = top.indices.flatten()[best], cand[best]
+                front, fscore, prow = count + best, cand[best], first + j
+                h, ftok = out[torch.from_numpy(j).to(out.device)], torch.from_numpy(idx.ravel()[best])
             count += n * K
-        return _rerank(torch.cat(par).tolist(), torch.cat(tok).tolist(), torch.cat(rank).tolist(),
-                       torch.cat(score).tolist(), dep, self.dynamic.total_tokens, root)
+        ranks = np.tile(np.arange(K), count // K)
+        return _rerank(np.concatenate(par), np.concatenate(tok), ranks, np.concatenate(score),
+                       np.concatenate(dep), self.dynamic.total_tokens, root)
 
-    def _log_q(self, g: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _top_log_q(self, g: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(values, indices) (n, top_k) on the host: the top_k children of each row by log q, q = softmax(z /
+        T) of the head's logits z (T: Dynamic.temperature; 1 is EAGLE-2's own q)."""
         z = self.head.logits(g).float()
-        return (z if temperature == 1.0 else z / temperature).log_softmax(-1)
+        t = self.dynamic.temperature
+        top = (z if t == 1.0 else z / t).log_softmax(-1).topk(self.dynamic.top_k)  # (faster than logsumexp)
+        return top.values.cpu().numpy(), top.indices.cpu().numpy()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Plan:
-    """A static tree's levels: ``expand[d]`` the depth-d nodes that have children (fed to the head at level d,
-    their children filled from its output), ``width[d]`` the most children any of them has."""
+    """A static tree's levels as index arrays: ``expand[d]`` the depth-d nodes that have children (fed to the
+    head at level d, their children filled from its output), ``width[d]`` the most children any of them
+    has, ``kids[d]`` the depth-(d+1) nodes; ``parents`` / ``ranks`` per node, ``below[k, j]``: j is k or
+    one of its descendants (a child dropped beyond the vocabulary takes its subtree)."""
 
-    expand: tuple[tuple[int, ...], ...]
+    expand: tuple[np.ndarray, ...]
     width: tuple[int, ...]
+    kids: tuple[np.ndarray, ...]
+    parents: np.ndarray
+    ranks: np.ndarray
+    below: np.ndarray
 
     @classmethod
     def of(cls, tree: Tree) -> _Plan:
-        kids, depths = tree.children, tree.depths
-        expand = tuple(tuple(i for i in range(tree.size) if depths[i] == d and kids[i])
-                       for d in range(tree.depth + 1))
-        width = tuple(max([max(tree.ranks[k] for k in kids[i]) + 1 for i in level], default=0)
+        children, depths = tree.children, tree.depths
+        nodes = np.arange(tree.size)
+        expand = tuple(np.array([i for i in range(tree.size) if depths[i] == d and children[i]],
+                                dtype=np.int64) for d in range(tree.depth + 1))
+        width = tuple(max([max(tree.ranks[k] for k in children[i]) + 1 for i in level], default=0)
                       for level in expand)
-        return cls(expand, width)
+        kids = tuple(nodes[depths == d] for d in range(1, tree.depth + 1))
+        return cls(expand, width, kids, np.asarray(tree.parents), np.asarray(tree.ranks),
+                   tree.ancestor_mask.T.copy())
 
 
-def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], list[int], list[int], list[float]]:
+def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     """Keep the ``total`` best drafted nodes by cumulative log q (shallower first on ties, so a kept node's
-    ancestors are kept: scores never increase along a path), renumbered parents-first."""
-    best = sorted(range(len(tok)), key=lambda i: (-score[i], dep[i], i))[:total]
-    chosen = sorted(best, key=lambda i: (dep[i], i))
-    index = {old: new + 1 for new, old in enumerate(chosen)}
-    assert all(par[i] < 0 or par[i] in index for i in chosen), "a kept node lost its parent"
-    parents = [-1] + [0 if par[i] < 0 else index[par[i]] for i in chosen]
-    return (parents, [root] + [tok[i] for i in chosen], [0] + [rank[i] for i in chosen],
-            [0.0] + [score[i] for i in chosen])
-
-
-def _descends(tree: Tree, j: int, k: int) -> bool:
-    while j > k:
-        j = tree.parents[j]
-    return j == k
+    ancestors are kept: scores never increase along a path; then creation order), renumbered parents-first.
+    Arrays over the drafted nodes in creation order; ``par`` their parent's index there (-1: the root)."""
+    m = score.size
+    best = np.lexsort((np.arange(m), dep, -score))[:total]
+    chosen = best[np.lexsort((best, dep[best]))]
+    index = np.zeros(m + 1, dtype=np.int64)  # drafted node → its kept index (1-based), 0: the root / dropped
+    index[chosen] = np.arange(1, chosen.size + 1)
+    p = par[chosen]
+    assert (index[p[p >= 0]] > 0).all(), "a kept node lost its parent"
+    parents = [-1, *np.where(p < 0, 0, index[p]).tolist()]
+    return (parents, np.concatenate([[root], tok[chosen]]), np.concatenate([[0], rank[chosen]]),
+            np.concatenate([[0.0], score[chosen]]))
 
 
 def _cut(tree: Tree, depth: int) -> Tree:

@@ -2,11 +2,13 @@
 
 p = target, q = draft head. EAGLE-2 re-shapes its tree every step from q (the product of q along each path,
 reranked to ``total_tokens``), so no static tree prices it: the simulator prices the mixture of the trees it
-kept (specsim.trees.recorded_law) under the profile's measured (depth, rank) acceptance. Those trees are
+kept (specsim.trees.recorded_law) under the (depth, rank) acceptance of the nodes it kept. Those trees are
 recorded here by decoding the calibration prompts with the drafter, as long as the workload's generations, and
 cached beside the drafter's profile (one file per tree configuration): a run's prediction then uses no data
-of the split it measures. The shapes come from q alone (never from acceptance outcomes); the trees a run keeps
-on its own prompts are its diagnostic (methods.measurement.measure).
+of the split it measures. The shapes come from q alone; the same decode counts, per (depth, rank), how often a
+kept node under an accepted parent was accepted (specsim.trees.kept_acceptance): q keeps the nodes it is
+confident in, which are accepted more often than the static calibration's average node at their (depth,
+rank). The trees a run keeps on its own prompts are its diagnostic (methods.measurement.measure).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from methods.models import Models
 from specsim.config import RunConfig, TreeKind
 from specsim.io import atomic_write_json, read_json
 from specsim.tree import Tree
+from specsim.trees import RecordedTrees, kept_acceptance
 
-SHAPES_FORMAT = 1
+SHAPES_FORMAT = 2  # 2: with the kept nodes' outcomes (``kept``: tried and accepted per depth × rank)
 
 
 def shapes_path(pcfg: RunConfig, tree_cfg, cache: Path | None = None) -> Path:
@@ -49,8 +52,9 @@ def new_tokens(cfg: RunConfig) -> int:
 
 
 @torch.inference_mode()
-def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True) -> Counter[Tree]:
-    """Decode the calibration prompts with ``cfg``'s dynamic-tree drafter; its kept trees → counts."""
+def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True) -> tuple[Counter[Tree], list]:
+    """Decode the calibration prompts with ``cfg``'s dynamic-tree drafter: its kept trees → counts, and its
+    kept nodes' [tried, accepted] counts per depth × rank."""
     assert TreeKind(cfg.tree.kind) == TreeKind.dynamic, "only dynamic trees are recorded"
     w, cal = cfg.workload, cfg.calibration
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
@@ -63,7 +67,7 @@ def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True) ->
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
     for p in tqdm(prompts, desc=f"record {cfg.method.name} trees", disable=not show_progress):
         decode(target, drafter, torch.tensor(p.token_ids, dtype=torch.long), opts, generator)
-    return Counter(drafter.shapes)
+    return Counter(drafter.shapes), drafter.kept.tolist()
 
 
 def to_json(shapes: Counter[Tree] | dict[Tree, int]) -> list[dict]:
@@ -85,23 +89,30 @@ def nodes_per_depth(shapes: dict[Tree, int]) -> list[float]:
             for d in range(1, max(t.depth for t in shapes) + 1)]
 
 
+def recorded(doc: dict) -> RecordedTrees:
+    """A shapes file's trees with their kept nodes' acceptance."""
+    tried, accepted = doc["kept"]
+    return RecordedTrees(from_json(doc["shapes"]), kept_acceptance(tried, accepted))
+
+
 def ensure_shapes(cfg: RunConfig, pcfg: RunConfig, models: Models, cache: Path | None = None,
-                  show_progress: bool = True) -> tuple[dict[Tree, int], Path]:
+                  show_progress: bool = True) -> tuple[RecordedTrees, Path]:
     """The cached calibration-split trees of ``cfg``'s dynamic tree (``pcfg``: its profile config, whose key
-    names the drafter, its head and the workload), recorded now on first use."""
+    names the drafter, its head and the workload) and their kept nodes' acceptance, recorded on first use."""
     path = shapes_path(pcfg, cfg.tree, cache)
     with profile_lock(path):
         if path.is_file():
             try:
                 doc = read_json(path)
                 if doc.get("format") == SHAPES_FORMAT and doc.get("new_tokens") == new_tokens(cfg):
-                    return from_json(doc["shapes"]), path
+                    return recorded(doc), path
             except (ValueError, TypeError, KeyError):  # unreadable: record again
                 pass
         print(f"recording {cfg.method.name}'s dynamic trees on the calibration split (cached in {path})",
               file=sys.stderr, flush=True)
-        shapes = record_shapes(cfg, models, show_progress)
-        atomic_write_json(path, {"format": SHAPES_FORMAT, "new_tokens": new_tokens(cfg),
-                                 "prompts": cfg.calibration.prompts, "steps": sum(shapes.values()),
-                                 "nodes_per_depth": nodes_per_depth(shapes), "shapes": to_json(shapes)})
-    return dict(shapes), path
+        shapes, kept = record_shapes(cfg, models, show_progress)
+        doc = {"format": SHAPES_FORMAT, "new_tokens": new_tokens(cfg), "prompts": cfg.calibration.prompts,
+               "steps": sum(shapes.values()), "nodes_per_depth": nodes_per_depth(shapes), "kept": kept,
+               "shapes": to_json(shapes)}
+        atomic_write_json(path, doc)
+    return recorded(doc), path

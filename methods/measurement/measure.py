@@ -205,6 +205,10 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             if shapes:  # the static DP tree's τ, for comparison (the former pricing, an upper bound)
                 static = tree_predictions(cfg, profile, tree)[0]
                 predictions["predicted_tau_static_tree"] = static["predicted_tau"]
+                # the kept trees under the static calibration's (depth, rank) vectors, not their own nodes'
+                # acceptance (the pricing before the kept nodes were counted: low, q keeps likely nodes)
+                plain = tree_predictions(cfg, profile, tree, dict(shapes))[0]
+                predictions["predicted_tau_kept_static_vectors"] = plain["predicted_tau"]
             if shapes and in_run:  # diagnostic: the τ of the trees this run kept (its own prompts' shapes,
                 # so not a held-out prediction: the former pricing)
                 own = tree_predictions(cfg, profile, tree, in_run)[0]

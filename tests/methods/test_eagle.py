@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from methods.core.drafter import DraftContext
+from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.fast_llama import packing_works
 from methods.core.loop import DecodeOptions, decode
@@ -149,10 +150,14 @@ def test_rerank_keeps_the_best_nodes_parents_first():
     # drafted: 1-level a(-0.1), b(-1.0); a's children c(-0.3), d(-2.0); c's child e(-0.4)
     par, tok, rank = [-1, -1, 0, 0, 2], [10, 11, 12, 13, 14], [0, 1, 0, 1, 0]
     score, dep = [-0.1, -1.0, -0.3, -2.0, -0.4], [1, 1, 2, 2, 3]
-    parents, tokens, ranks, scores = _rerank(par, tok, rank, score, dep, 3, 99)
-    assert tokens == [99, 10, 12, 14] and parents == [-1, 0, 1, 2] and ranks == [0, 0, 0, 0]
-    assert scores == [0.0, -0.1, -0.3, -0.4]
+    parents, tokens, ranks, scores = _rerank(*map(np.array, (par, tok, rank, score, dep)), 3, 99)
+    assert tokens.tolist() == [99, 10, 12, 14] and parents == [-1, 0, 1, 2] and ranks.tolist() == [0, 0, 0, 0]
+    assert scores.tolist() == [0.0, -0.1, -0.3, -0.4]
     Tree.from_parents(parents, ranks)
+    # ties: shallower first (a kept node's parent before it), then creation order; 4 kept: b's tie with c
+    score = [-0.1, -0.3, -0.3, -2.0, -0.4]
+    parents, tokens, _, _ = _rerank(*map(np.array, (par, tok, rank, score, dep)), 4, 99)
+    assert tokens.tolist() == [99, 10, 11, 12, 14] and parents == [-1, 0, 0, 1, 3]
 
 
 def test_eagle_training_lowers_the_loss(tiny_models):
@@ -397,3 +402,29 @@ def test_packed_head_logits_of_no_rows(tiny_models, variant, layers):
     with torch.no_grad():
         out = head.logits(g)
     assert out.shape == (0, head.cfg.vocab_size)
+
+
+def test_dynamic_drafter_counts_its_kept_nodes_outcomes(tiny_models):
+    """feedback: per (depth, rank), the kept nodes under an accepted parent ([0]) and those accepted ([1]):
+    the accepted ones are the loop's own per-depth and per-rank counts, every accepted one was tried."""
+    drafter = build_drafter(_method("eagle"), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    stats = decode(engine, drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).stats
+    tried, accepted = drafter.kept
+    assert (accepted <= tried).all()
+    by_depth, by_rank = accepted.sum(1).tolist(), accepted.sum(0).tolist()
+    assert by_depth[: len(stats.depth_accepted)] == stats.depth_accepted
+    assert by_rank[: len(stats.rank_accepted)] == stats.rank_accepted
+    assert sum(by_rank) == sum(stats.rank_accepted)
+    # every step tries the root's kept children: depth 1's tries are the depth-1 nodes of every proposed tree
+    depth1 = sum(c * int((t.depths == 1).sum()) for t, c in drafter.shapes.items())
+    assert tried[0].sum() == depth1
+    # by hand: root → a (rank 0), b (rank 1); a → c (0), d (1); c → e (0). Accepted root, a, c: tried a, b,
+    # c, d, e; accepted a, c
+    drafter.kept[:] = 0
+    tree = Tree.from_parents([-1, 0, 0, 1, 1, 3], [0, 0, 1, 0, 1, 0])
+    drafter.feedback(StepFeedback(Draft(tree, torch.arange(6)), (0, 1, 3), 7))
+    np.testing.assert_array_equal(drafter.kept[0], [[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(drafter.kept[1], [[1, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]])

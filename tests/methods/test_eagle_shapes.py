@@ -11,6 +11,7 @@ from methods.measurement.profiles import profile_config
 from methods.models import load_models
 from specsim.io import read_json
 from specsim.tree import Tree
+from specsim.trees import kept_acceptance
 
 SMALL = ("model=random_tiny", "method=eagle2", "method.params.head=random", "tree=dynamic",
          "tree.total_tokens=5", "tree.depth=3", "tree.top_k=2", "workload.num_prompts=2",
@@ -39,6 +40,10 @@ def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cac
     assert doc["steps"] == sum(shapes.values()) and doc["nodes_per_depth"] == nodes_per_depth(shapes)
     assert sum(doc["nodes_per_depth"]) == pytest.approx(sum(c * (t.size - 1) for t, c in shapes.items())
                                                         / sum(shapes.values()))
+    # with the kept nodes' outcomes (tried, accepted per depth × rank), which price the trees
+    tried, accepted = doc["kept"]
+    assert len(tried) == 3 and len(tried[0]) == 2 and sum(map(sum, accepted)) <= sum(map(sum, tried))
+    assert shapes.acceptance == kept_acceptance(tried, accepted)
 
     def fail(*a, **k):
         raise AssertionError("recorded again")
@@ -70,9 +75,12 @@ def test_measure_prices_the_calibration_trees_and_reports_its_own(run_config, ca
     m = measure(cfg, show_progress=False).metrics
     assert m["greedy_equal_rate"] == 1.0
     assert m["dynamic_tree_pricing"] == "calibration_trees"
-    shapes = from_json(read_json(m["dynamic_shapes_path"])["shapes"])
+    shapes = dynamic_shapes.recorded(read_json(m["dynamic_shapes_path"]))  # priced with the kept nodes' rates
     assert m["dynamic_nodes_per_depth_calibration"] == nodes_per_depth(shapes)
     profile = Profile.from_json(read_json(m["profile_path"]))
     here = tree_predictions(cfg, profile, dynamic_tree_for(cfg, profile), shapes)[0]
     assert m["predicted_tau"] == pytest.approx(here["predicted_tau"])
+    static = tree_predictions(cfg, profile, dynamic_tree_for(cfg, profile), dict(shapes))[0]  # former pricing
+    assert "predicted_tau_kept_static_vectors" in m
+    assert m["predicted_tau_kept_static_vectors"] == pytest.approx(static["predicted_tau"])
     assert m["predicted_tau_in_run_trees"] >= 1.0 and len(m["dynamic_nodes_per_depth"]) >= 1

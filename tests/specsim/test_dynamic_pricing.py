@@ -7,7 +7,7 @@ import pytest
 from specsim.acceptance import DepthVectorAcceptance
 from specsim.expected import expected_tokens
 from specsim.tree import Tree
-from specsim.trees import recorded_law
+from specsim.trees import RecordedTrees, kept_acceptance, recorded_law
 
 MODEL = DepthVectorAcceptance(((0.0, 0.5, 0.2, 0.3), (0.0, 0.4, 0.1, 0.5)))  # [0, p_1, p_2, p_none] per depth
 CHAIN = Tree.from_paths([[0], [0, 0]])  # q's top child, then its top child
@@ -33,3 +33,21 @@ def test_one_recorded_tree_is_that_tree_and_depths_pad():
     assert law.sum() == pytest.approx(1)
     with pytest.raises(AssertionError):
         recorded_law({}, MODEL)
+
+
+def test_kept_acceptance_is_the_ratio_per_depth_and_rank_and_prices_recorded_trees():
+    tried = np.array([[10, 4], [5, 0]])
+    accepted = np.array([[6, 1], [2, 0]])
+    kept = kept_acceptance(tried, accepted)
+    np.testing.assert_allclose(kept.vectors, [[0, 0.6, 0.25, 0.15], [0, 0.4, 0.0, 0.6]])
+    # conditional rates of siblings tried in different steps may sum past 1: scaled to 1
+    np.testing.assert_allclose(kept_acceptance([[2, 2]], [[2, 1]]).vectors, [[0, 2 / 3, 1 / 3, 0]])
+    with pytest.raises(AssertionError):
+        kept_acceptance([[1, 1]], [[2, 0]])
+    # RecordedTrees carries its kept nodes' acceptance: recorded_law prices with it, not with the argument
+    rec = RecordedTrees({CHAIN: 3, WIDE: 1}, kept)
+    assert dict(rec) == {CHAIN: 3, WIDE: 1} and len(rec) == 2
+    np.testing.assert_allclose(recorded_law(rec, MODEL), recorded_law({CHAIN: 3, WIDE: 1}, kept))
+    assert not np.allclose(recorded_law(rec, MODEL), recorded_law({CHAIN: 3, WIDE: 1}, MODEL))
+    plain = recorded_law({CHAIN: 1}, MODEL)
+    np.testing.assert_allclose(recorded_law(RecordedTrees({CHAIN: 1}), MODEL), plain)

@@ -8,12 +8,15 @@ come back with the target's own features and are appended as committed rows (EAG
 
 Cost: a draft level is ONE head forward over all of its fed nodes. K/V live in preallocated buffers (committed
 rows, then the pending draft rows), so a level writes its rows in place instead of concatenating the whole
-cache, and the pending rows' ancestor relation is a (P, P) bool tensor: a new row's visible set is its
-parent's row of it plus itself, no per-node Python.
+cache, and the pending rows' ancestor relation is a (P, P) bool array on the host: a new row's visible set is
+its parent's row of it plus itself, no per-node Python. The level's attention mask is built there in numpy
+and crosses to the device once (as the batched engine builds its indices): a dozen small tensor ops a level
+were ~0.1 ms on CPU, as much as one of the head's matmuls.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from methods.heads.eagle.head import EagleHead
@@ -27,7 +30,7 @@ class HeadCache:
         self.v: torch.Tensor | None = None
         self.length = 0  # committed rows
         self.last: torch.Tensor | None = None  # (H,) g of the last committed row: q of the root's children
-        self.anc = torch.zeros(0, 0, dtype=torch.bool)  # (P, P) pending row j is an ancestor-or-self of i
+        self.anc = np.zeros((0, 0), dtype=bool)  # (P, P) pending row j is an ancestor-or-self of row i
 
     @property
     def pending(self) -> int:
@@ -65,25 +68,26 @@ class HeadCache:
         g = head.attend(res, q, self.k[:, : L + n], self.v[:, : L + n], mask)[0]  # (n, H)
         self.length, self.last = L + n, g[-1]
 
-    def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, parents: torch.Tensor) -> torch.Tensor:
-        """Draft rows at ``depth``: h (n, H) the parents' g, tokens (n,), ``parents`` (n,) long: the pending
-        row of each row's parent (-1: a child of the root, no pending ancestor). Returns g (n, H); the rows
-        become pending (rows P..P+n-1)."""
+    def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, parents) -> torch.Tensor:
+        """Draft rows at ``depth``: h (n, H) the parents' g, tokens (n,), ``parents`` (n,) ints (numpy or a
+        tensor): the pending row of each row's parent (-1: a child of the root, no pending ancestor). Returns
+        g (n, H); the rows become pending (rows P..P+n-1)."""
         head, L, P, n = self.head, self.length, self.pending, h.shape[0]
         pos = torch.full((n,), L - 1 + depth, device=h.device)
         res, q, k, v = head.project(h[None], tokens[None], pos)
         self._write(k, v)
-        anc = torch.zeros(n, P + n, dtype=torch.bool)
+        parents = parents.cpu().numpy() if torch.is_tensor(parents) else np.asarray(parents)
+        grown = np.zeros((P + n, P + n), dtype=bool)  # (P + n, P + n): the new rows' ancestors, then self
+        grown[:P, :P] = self.anc
         has = parents >= 0
-        if P and bool(has.any()):
-            anc[has, :P] = self.anc[parents[has]]
-        anc[:, P:] = torch.eye(n, dtype=torch.bool)
-        grown = torch.zeros(P + n, P + n, dtype=torch.bool)
-        grown[:P, :P], grown[P:] = self.anc, anc
+        if P and has.any():
+            grown[P:][has, :P] = self.anc[parents[has]]
+        grown[np.arange(P, P + n), np.arange(P, P + n)] = True
         self.anc = grown
-        mask = torch.zeros(n, L + P + n, device=h.device)
-        mask[:, L:] = torch.zeros(anc.shape).masked_fill_(~anc, float("-inf")).to(h.device)
-        return head.attend(res, q, self.k[:, : L + P + n], self.v[:, : L + P + n], mask)[0]
+        mask = np.zeros((n, L + P + n), dtype=np.float32)  # committed rows visible; pending: ancestors only
+        mask[:, L:][~grown[P:]] = -np.inf
+        m = torch.from_numpy(mask).to(h.device)
+        return head.attend(res, q, self.k[:, : L + P + n], self.v[:, : L + P + n], m)[0]
 
     def drop_pending(self) -> None:
-        self.anc = torch.zeros(0, 0, dtype=torch.bool)
+        self.anc = np.zeros((0, 0), dtype=bool)
