@@ -57,6 +57,7 @@ class _Row:
 
     request: int
     seq: torch.Tensor  # (T + max_new,) committed tokens
+    host: np.ndarray  # seq's memory as a numpy array: the loop writes and reads single tokens through it
     start: int  # the prompt's length T
     t: int  # committed length
     end: int
@@ -102,7 +103,7 @@ def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor
         seq[:n] = x
         hidden = pre.hidden[j, : n - 1] if (want_hidden and pre is not None) else None
         res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", now - t0)
-        rows.append(_Row(i, seq, n, n, n + opts.max_new_tokens, hidden, res, t0))
+        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, res, t0))
     out.time_prefill_s += now - t0
 
 
@@ -110,7 +111,7 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
           generator: torch.Generator, want_hidden: bool, out: BatchResult) -> None:
     t0 = time.perf_counter()
     ctxs = [DraftContext(r.seq[: r.t], r.hidden, generator, r.end - r.t) for r in rows]
-    roots = torch.tensor([int(r.seq[r.t - 1]) for r in rows], dtype=torch.long)
+    roots = torch.tensor([r.host[r.t - 1] for r in rows], dtype=torch.long)
     draft = _limit(drafter.propose_batch(BatchContext(ctxs, roots)), [c.max_new for c in ctxs])
     t1 = time.perf_counter()
     fwd = target.forward_trees(draft.tokens, draft.trees, hidden=want_hidden)
@@ -126,7 +127,7 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
         r.result.accepted_lengths.append(len(path))
         r.result.stats.record(tree, path)
         new, stop = cut_block([drafted[b][i] for i in path[1:]] + [nxt], r.end - r.t, opts.eos_token_id)
-        r.seq[r.t : r.t + len(new)] = torch.tensor(new, dtype=torch.long)
+        r.host[r.t : r.t + len(new)] = new
         r.t += len(new)
         if stop:
             r.result.stop = stop
