@@ -10,7 +10,9 @@ vLLM's CPU build at batch 16 on the zoo target, ~1,600-2,000 tok/s bf16 one thre
 over the whole time, and over the process's CPU time of the decode (one thread: what a loaded machine
 distorts least; the prefill's CPU time, timed by a one-token run, is taken off).
 "outside" = the decode time outside the target forward (drafting included); "overhead" = outside minus
-drafting: the loop's own work (verification, commit, bookkeeping).
+drafting: the loop's own work (verification, commit, bookkeeping). The same split is printed in CPU time
+(BatchResult.cpu_*: the process's CPU time of the steps, the drafter's propose + feedback, the target
+forward), which a loaded machine distorts less than the wall times.
 
     python benchmarks/batch_loop.py                                   # zoo target, bfloat16, one thread
     python benchmarks/batch_loop.py --dtype float32 --batch-sizes 1,4,16 --identity
@@ -49,11 +51,15 @@ def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
     """tok/s over the decode time and the whole time; over the process's CPU time of the decode (``cpu_s``:
     one thread, the time it actually ran, a figure a loaded machine distorts less; the prefill's CPU time,
     timed by a one-token run, taken off); the share of the decode time outside the
-    target forward, and of it what is neither the forward nor drafting (the loop's own overhead)."""
+    target forward, and of it what is neither the forward nor drafting (the loop's own overhead); the same
+    shares of the steps' CPU time (``cpu_outside``, ``cpu_draft``: propose + feedback alone, ``cpu_loop``:
+    the rest)."""
     decode_s = r.time_total_s - r.time_prefill_s
     return {"decode_tok_s": r.tokens / decode_s, "total_tok_s": r.tokens / r.time_total_s,
             "cpu_tok_s": (r.tokens - len(r.results)) / cpu_s, "outside": 1 - r.time_forward_s / decode_s,
-            "overhead": 1 - (r.time_forward_s + r.time_draft_s) / decode_s, "tau": r.stats.tau}
+            "overhead": 1 - (r.time_forward_s + r.time_draft_s) / decode_s, "tau": r.stats.tau,
+            "cpu_outside": 1 - r.cpu_forward_s / r.cpu_steps_s, "cpu_draft": r.cpu_draft_s / r.cpu_steps_s,
+            "cpu_loop": 1 - (r.cpu_forward_s + r.cpu_draft_s) / r.cpu_steps_s}
 
 
 def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens: int, reps: int,
@@ -143,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{ar['outside']:>8.1%} | {va['decode_tok_s']:>13.0f} {va['total_tok_s']:>6.0f} "
               f"{va['cpu_tok_s']:>6.0f} {va['tau']:>5.2f} {va['outside']:>8.1%} {va['overhead']:>8.1%} "
               f"{va['decode_tok_s'] / ar['decode_tok_s']:>7.2f}x")
+    print("shares of the decode steps' CPU time (load distorts these less than the wall shares above):")
+    for b in sizes:
+        ar, va = res[b]["ar"], res[b]["vanilla"]
+        print(f"{b:>4} ar: outside the forward {ar['cpu_outside']:.1%} | vanilla: outside the forward "
+              f"{va['cpu_outside']:.1%} = draft {va['cpu_draft']:.1%} + loop {va['cpu_loop']:.1%}")
     for kv in kv_dtypes:
         if kv == "model":
             continue
@@ -161,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if 16 in res:
         summary["outside_forward_fraction_b16"] = {k: res[16][k]["outside"] for k in ("ar", "vanilla")}
         summary["loop_overhead_fraction_b16"] = {k: res[16][k]["overhead"] for k in ("ar", "vanilla")}
+        summary["cpu_shares_b16"] = {k: {x: res[16][k][f"cpu_{x}"] for x in ("outside", "draft", "loop")}
+                                     for k in ("ar", "vanilla")}
     if args.identity:
         summary["identity_rate"] = identity(models, cfg, prompts[: args.identity], 16, args.new_tokens)
         print(f"batched-vs-alone identity over {args.identity} prompts (batch 16): "

@@ -224,11 +224,12 @@ class BatchEngine:
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
-               hidden: bool = False) -> BatchOut:
+               hidden: bool = False, last: torch.Tensor | None = None) -> BatchOut:
         """Append n more pending nodes to each active row, after its P pending ones (a draft tree grown
         level by level): anc (B or 1, n, P + n) bool, over the row's pending nodes then these; depths (B or 1,
-        n): positions are lengths[b] + depth (the committed root is at depth -1)."""
-        return self._run(tokens.to(self.device), anc, depths, slice(0, self.rows), hidden)
+        n): positions are lengths[b] + depth (the committed root is at depth -1). ``last`` (B,): the logits
+        of node last[b] of each row only ((B, 1, V); the LM head skips the others)."""
+        return self._run(tokens.to(self.device), anc, depths, slice(0, self.rows), hidden, last)
 
     def forward_trees(self, tokens: torch.Tensor, trees: Sequence[Tree], hidden: bool = False) -> BatchOut:
         """``forward`` from one Tree per row (or one shared: a 1-element list); tokens (B, n), n ≥ the

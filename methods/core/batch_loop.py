@@ -44,6 +44,12 @@ class BatchResult:
     time_verify_s: float = 0.0  # target forward + verification + commit
     time_prefill_s: float = 0.0  # rows' prompt prefills (target and drafter)
     time_total_s: float = 0.0
+    # the process's CPU time (time.process_time) of the decode steps, of the drafter's propose + feedback
+    # alone (the wall time_draft_s also holds the loop's own work around them) and of the target forward:
+    # what a loaded machine distorts less than the wall times above
+    cpu_steps_s: float = 0.0
+    cpu_draft_s: float = 0.0
+    cpu_forward_s: float = 0.0
     stats: AcceptStats = field(default_factory=AcceptStats)
 
     @property
@@ -57,6 +63,7 @@ class _Row:
 
     request: int
     seq: torch.Tensor  # (T + max_new,) committed tokens
+    host: np.ndarray  # seq's memory as a numpy array: the loop writes and reads single tokens through it
     start: int  # the prompt's length T
     t: int  # committed length
     end: int
@@ -102,19 +109,20 @@ def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor
         seq[:n] = x
         hidden = pre.hidden[j, : n - 1] if (want_hidden and pre is not None) else None
         res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", now - t0)
-        rows.append(_Row(i, seq, n, n, n + opts.max_new_tokens, hidden, res, t0))
+        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, res, t0))
     out.time_prefill_s += now - t0
 
 
 def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: DecodeOptions,
           generator: torch.Generator, want_hidden: bool, out: BatchResult) -> None:
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     ctxs = [DraftContext(r.seq[: r.t], r.hidden, generator, r.end - r.t) for r in rows]
-    roots = torch.tensor([int(r.seq[r.t - 1]) for r in rows], dtype=torch.long)
+    roots = torch.tensor([r.host[r.t - 1] for r in rows], dtype=torch.long)
+    ca = time.process_time()
     draft = _limit(drafter.propose_batch(BatchContext(ctxs, roots)), [c.max_new for c in ctxs])
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     fwd = target.forward_trees(draft.tokens, draft.trees, hidden=want_hidden)
-    t2 = time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     paths, nexts = verify_batch(draft, fwd.logits, opts, generator)
     target.commit(paths)
     t3 = time.perf_counter()
@@ -126,15 +134,16 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
         r.result.accepted_lengths.append(len(path))
         r.result.stats.record(tree, path)
         new, stop = cut_block([drafted[b][i] for i in path[1:]] + [nxt], r.end - r.t, opts.eos_token_id)
-        r.seq[r.t : r.t + len(new)] = torch.tensor(new, dtype=torch.long)
+        r.host[r.t : r.t + len(new)] = new
         r.t += len(new)
         if stop:
             r.result.stop = stop
             done.append(b)
         elif want_hidden:
             r.hidden = fwd.hidden[b, list(path)]
+    cf = time.process_time()
     drafter.feedback_batch(BatchFeedback(draft, paths, nexts, fwd.logits))
-    t4 = time.perf_counter()
+    c4, t4 = time.process_time(), time.perf_counter()
     for b in reversed(done):  # descending: the row moved into a freed slot is never a finished one
         _leave(target, drafter, rows, b, t4, out)
     out.n_steps += 1
@@ -142,6 +151,9 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
     out.time_draft_s += (t1 - t0) + (t4 - t3)
     out.time_forward_s += t2 - t1
     out.time_verify_s += t3 - t1
+    out.cpu_steps_s += c4 - c0  # rows leaving (their KV moved) are left out, as in the wall times
+    out.cpu_draft_s += (c1 - ca) + (c4 - cf)
+    out.cpu_forward_s += c2 - c1
     for r in rows:
         r.result.time_draft_s += (t1 - t0) + (t4 - t3)
         r.result.time_verify_s += t3 - t1

@@ -131,3 +131,25 @@ def test_default_kv_dtype_is_float32_for_reduced_precision_on_cpus_without_amx(t
     assert BatchEngine(model, max_rows=2, capacity=8, attn_dtype=torch.bfloat16).k.dtype == torch.bfloat16
     assert attention_dtype(tiny_target) is None
     assert BatchEngine(tiny_target, max_rows=2, capacity=8).k.dtype == torch.float32
+
+
+def test_extend_with_last_gives_those_nodes_logits_and_the_same_cache(tiny_target):
+    """``extend(..., last=)``: each row's logits at its node last[b] only (B, 1, V), equal to the full
+    forward's at that node, and the cache (hence every later forward) as without it."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (4, 9, 2)]
+    ids = torch.randint(0, 300, (3, 3), generator=g)
+    causal, depths = torch.ones(3, 3, dtype=torch.bool).tril()[None], torch.arange(3)[None]
+    last, counts = torch.tensor([2, 0, 1]), [3, 1, 2]
+    outs = []
+    for picked in (None, last):
+        eng = BatchEngine(tiny_target, max_rows=3)
+        eng.add(3)
+        eng.prefill(prompts)
+        outs.append(eng.extend(ids, causal, depths, last=picked).logits)
+        eng.commit_counts(counts)
+        outs.append(eng.extend(ids[:, :1], causal[:, :1, :1], depths[:, :1]).logits)
+    full, after_full, picked, after_picked = outs
+    assert picked.shape == (3, 1, tiny_target.config.vocab_size)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(3), last], atol=ATOL, rtol=0)
+    torch.testing.assert_close(after_picked, after_full, atol=0, rtol=0)

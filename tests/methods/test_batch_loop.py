@@ -81,6 +81,9 @@ def test_rows_equal_prompts_decoded_alone(tiny_models, alone, case, continuous):
     if case not in ("autoregressive", "lookahead_per_row"):
         assert out.stats.tau > 1.0, "drafts must be accepted in a batch (else identity is trivial)"
     assert out.row_steps == sum(r.n_target_forwards for r in out.results)
+    # CPU times: the drafter's and the target forward's are disjoint parts of the steps'
+    assert out.cpu_forward_s > 0 and out.cpu_draft_s > 0
+    assert out.cpu_forward_s + out.cpu_draft_s <= out.cpu_steps_s + 1e-9
 
 
 def test_hf_forward_and_verifier_deterministic(tiny_models, alone):
