@@ -22,6 +22,9 @@ RATIOS = ("ar_vs_hf_greedy", "vanilla_vs_hf_assisted", "pld_vs_hf_pld", "best_vs
 HF_PATHS = ("hf greedy", "hf greedy static", "hf greedy static+compile", "hf greedy compiled forward",
             "hf greedy static+compiled forward", "hf assisted chain g=4", "hf assisted default (heuristic)",
             "hf prompt_lookup g=10 n<=3")
+# assisted generation with a static cache: transformers 5.0-5.2x refuse it ("not supported with Static cache
+# classes"), 5.24 runs it; the benchmark times it where it works and reports the error where it does not
+HF_STATIC_ASSISTED = "hf assisted chain g=4 static"
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +50,22 @@ def test_last_line_is_the_json_summary_with_the_ratios(result):
         assert summary[key] > 0, (key, summary[key])
     assert summary["dtype"] == "float32" and summary["num_prompts"] == 1
     assert set(summary["targets_met"]) == set(RATIOS)
-    # every HF greedy configuration works on this CPU; transformers refuses assisted generation with a static
-    # cache, and the benchmark says so with the error instead of failing
-    assert list(summary["hf_failed"]) == ["hf assisted chain g=4 static"], summary["hf_failed"]
-    assert "not supported with Static cache" in summary["hf_failed"]["hf assisted chain g=4 static"]
+    # every HF greedy configuration works on this CPU; where transformers refuses assisted generation with a
+    # static cache, the benchmark says so with the error instead of failing, and otherwise it times the path
+    assert set(summary["hf_failed"]) <= {HF_STATIC_ASSISTED}, summary["hf_failed"]
+    if HF_STATIC_ASSISTED in summary["hf_failed"]:
+        assert "not supported with Static cache" in summary["hf_failed"][HF_STATIC_ASSISTED]
+        assert HF_STATIC_ASSISTED not in summary["tokens_per_s"]
+    else:
+        assert summary["tokens_per_s"][HF_STATIC_ASSISTED] > 0
 
 
 @pytest.mark.slow
 def test_hf_configurations_are_all_timed_and_the_fastest_is_one_of_them(result):
     summary, _ = result
     hf = [n for n in summary["tokens_per_s"] if n.startswith("hf")]
-    assert hf == list(HF_PATHS)
+    static_assisted = [] if HF_STATIC_ASSISTED in summary["hf_failed"] else [HF_STATIC_ASSISTED]
+    assert sorted(hf) == sorted([*HF_PATHS, *static_assisted])
     assert list(summary["hf_vs_hf_greedy"]) == hf and summary["hf_vs_hf_greedy"]["hf greedy"] == 1.0
     assert summary["hf_fastest"] in hf
     fastest = max(hf, key=summary["tokens_per_s"].get)
@@ -81,7 +89,9 @@ def test_physical_limit_line(result):
         assert one["t_stream_ms"]["weights_size"] == pytest.approx(stream, rel=1e-2, abs=1e-4)
         assert one["t1_over_stream"]["weights_size"] == pytest.approx(one["t1_ms"] / stream, rel=2e-2)
     assert "physical limit: the target's weights" in stdout
-    assert "hf assisted chain g=4 static" in stdout and "FAILED: ValueError" in stdout
+    assert HF_STATIC_ASSISTED in stdout
+    if HF_STATIC_ASSISTED in summary["hf_failed"]:
+        assert "FAILED: ValueError" in stdout
 
 
 @pytest.mark.slow
