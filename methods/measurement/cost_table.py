@@ -30,6 +30,9 @@ SHARED = "shared"  # self-speculation's verify forward of the loop's chain resum
 # (VSTEP, n) / (VCHAIN, n): the loop's verification of an n-node tree / chain from its logits (0: its tree)
 VSTEP, VCHAIN = "vstep", "vchain"
 QLEVEL = "qlevel"  # (QLEVEL, w): one draft level fed w nodes (draft forward + choice of the children)
+# a one-pass drafter's proposal (Medusa's heads) timed per tree: (QPASS_CHAIN, d) on a chain of d drafts,
+# (QPASS, n) on a tree of n nodes as deep as the drafter drafts
+QPASS_CHAIN, QPASS = "qpass_chain", "qpass"
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL)}
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
                      steps)

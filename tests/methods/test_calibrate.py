@@ -23,7 +23,9 @@ from methods.measurement.calibrate import (
     calibrate,
     ensure_profile,
     measure_profile,
+    pass_tree,
     rank_vector,
+    remeasure_reason,
     star_children,
     star_ranks,
 )
@@ -31,6 +33,7 @@ from methods.measurement.profiles import (
     Profile,
     apply_profile,
     draft_levels,
+    draft_pass_scale,
     load_profile,
     loop_forward_excess,
     measured_acceptance,
@@ -369,8 +372,47 @@ def test_medusa_profile_has_one_vector_per_head(run_config, tiny_models, cache):
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
     assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    # the heads' pass timed per tree in the same rounds: chains of 1..3 drafts, trees 3 deep beyond them
+    assert set(prof.extra["draft_pass_chain_ratios"]) == {"1", "2", "3"}
+    assert set(prof.extra["draft_pass_tree_ratios"]) == {"8", str(prof.extra["loop_tree_size"])}  # 62: its tree
+    assert all(r > 0 for r in prof.extra["draft_pass_chain_ratios"].values())
     vanilla = measure_profile(run_config(*SMALL, "method=vanilla"), tiny_models, show_progress=False)
     assert vanilla.acceptance_vectors_by_depth == ()  # a draft model's law is positional
+    assert "draft_pass_chain_ratios" not in vanilla.extra  # its draft is priced per level (draft_levels)
+    assert remeasure_reason(vanilla, run_config(*SMALL, "method=vanilla")) == ""
+    older = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if "draft_pass" not in k})
+    assert "pass per tree" in remeasure_reason(older, cfg)
+
+
+def test_pass_trees_reach_the_drafters_depth_within_its_choices():
+    tree = pass_tree(64, 4, 10)
+    assert tree.size == 64 and tree.depth == 4 and max(tree.ranks) < 10
+    assert tree.parents[:5] == (-1, 0, 1, 2, 3)  # the spine first: every head runs
+    assert pass_tree(3, 4, 10).depth == 2 and pass_tree(1000, 2, 3).size == 1 + 3 + 9  # all the ranks allow
+
+
+def test_a_one_pass_drafters_pass_is_priced_on_the_runs_tree(run_config):
+    """Medusa's pass, measured in the loop on the calibration's chain of 4, is priced on another tree in
+    proportion to the proposals timed per tree: a chain of D drafts runs D heads, a wider tree pays its
+    growth by node count (the quiet sweep's 64-node tree paid 10–22% more than its chain-of-4 price)."""
+    prof = dataclasses.replace(_profile(max_draft_depth=4), draft_ratio=0.6, drafter="medusa")
+    prof.extra.update(draft_pass_chain_ratios={"1": 0.2, "2": 0.3, "3": 0.4, "4": 0.5},
+                      draft_pass_tree_ratios={"8": 0.52, "32": 0.6, "64": 0.7},
+                      loop_tree_depth=4, loop_tree_size=5)
+    cfg = run_config("method=medusa", "hardware=cpu")
+    wide = pass_tree(64, 4, 10)
+    assert draft_pass_scale(prof, Tree.chain(4)) == pytest.approx(1.0)  # the loop's own tree
+    assert draft_pass_scale(prof, wide) == pytest.approx(0.7 / 0.5)
+    assert draft_pass_scale(prof, Tree.chain(2)) == pytest.approx(0.3 / 0.5)  # two heads
+    shallow = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 1], [2, 0]])  # 8 nodes, 2 deep
+    assert draft_pass_scale(prof, shallow) == pytest.approx((0.3 + 0.02 - 0.0) / 0.5)  # growth 5 → 8 nodes
+    assert draft_pass_scale(prof, pass_tree(128, 4, 10)) == pytest.approx((0.5 + 0.2 + 0.1 / 32 * 64) / 0.5)
+    here, _ = tree_predictions(cfg, prof, wide)
+    chain, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert chain["t_draft_s"] == pytest.approx(prof.draft_time_s)
+    assert here["t_draft_s"] == pytest.approx(prof.draft_time_s * 0.7 / 0.5)
+    untimed = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if "draft_pass" not in k})
+    assert tree_predictions(cfg, untimed, wide)[0]["t_draft_s"] == pytest.approx(prof.draft_time_s)
 
 
 def test_depth_vectors_price_a_medusa_tree_below_the_positional_model(run_config):
