@@ -476,7 +476,7 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         if levels_in is not None:
             out.update(_draft_level_round(run, context, *levels_in))
         if passes is not None:
-            out.update(_pass_round(*passes))
+            out.update(_pass_round(run, *passes))
         if shared["on"]:
             ratio = shared_verify_ratio(run, context)
             shared["on"] = ratio is not None and run.tree.size in out
@@ -560,14 +560,15 @@ def pass_tree(n: int, depth: int, top_k: int) -> Tree:
     return Tree.from_parents(parents, ranks)
 
 
-def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[dict, DraftContext] | None:
+def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple | None:
     """A one-pass drafter whose pass follows its tree (``with_tree``: Medusa runs one head per depth, takes
     each head's candidates and builds every node's token): the drafter on chains of 1..K drafts (K its
-    ``max_depth``) and on trees K deep of n nodes, n in ``sizes`` beyond the chain of K (pass_tree), and a
-    context with the target's hidden state to propose in. The loop times the pass on the calibration's
-    chain only; these price it on another tree in proportion (profiles.draft_pass_scale): Medusa's 64-node
-    tree paid 0.67–0.80 t(1) for the heads' pass where its chain of 4 paid 0.60–0.65 (quiet sweep). None
-    for other drafters."""
+    ``max_depth``) and on trees K deep of n nodes, n in ``sizes`` beyond the chain of K (pass_tree); a
+    context with the target's hidden state to propose in; and star trees of each drafter's size for the
+    target forward that precedes each pass, as the loop's verify forward does. The loop times the pass on
+    the calibration's chain only; these price it on another tree in proportion (profiles.draft_pass_scale):
+    Medusa's 64-node tree paid 0.67–0.80 t(1) for the heads' pass where its chain of 4 paid 0.60–0.65
+    (quiet sweep). None for other drafters."""
     with_tree = getattr(run.drafter, "with_tree", None)
     if with_tree is None or run.cfg.method.draft_steps != "one":
         return None
@@ -575,26 +576,33 @@ def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[di
     top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
     drafters = {(QPASS_CHAIN, d): with_tree(Tree.chain(d)) for d in range(1, k + 1)}
     drafters.update({(QPASS, n): with_tree(pass_tree(n, k, top_k)) for n in sizes if n > k + 1})
+    trees, tokens = star_inputs(run.target, sorted({d.tree.size for d in drafters.values()}), run.cfg.seed)
     run.target.reset()
     start = max(0, context.numel() - 64)
     pre = run.target.prefill(context[start:], hidden=True)
     run.target.reset()
-    want = getattr(run.drafter, "needs_hidden_states", False)
+    want = bool(getattr(run.drafter, "needs_hidden_states", False))
     ctx = DraftContext(context, pre.hidden[-1:] if want else None, run.generator, k + 2)
-    return drafters, ctx
+    return drafters, ctx, trees, tokens, want
 
 
-def _pass_round(drafters: dict, ctx: DraftContext) -> dict:
-    """Seconds of each drafter's proposal in ``ctx`` (median of FORWARD_REPEAT, after a warm one)."""
+def _pass_round(run: _Run, drafters: dict, ctx: DraftContext, trees: dict, tokens: dict, want: bool) -> dict:
+    """Seconds of each drafter's proposal in ``ctx``, each right after a target forward of its tree's size
+    after the committed context (in the loop the pass follows the verify forward of the tree: a 64-node
+    forward's activations and logits leave the heads' weights colder than a chain's); median of
+    FORWARD_REPEAT, after a warm one."""
     out = {}
     for key, drafter in drafters.items():
+        n = drafter.tree.size
         drafter.reset(ctx.tokens)
-        drafter.propose(ctx)
         times = []
-        for _ in range(FORWARD_REPEAT):
+        for i in range(FORWARD_REPEAT + 1):
+            run.target.forward_tree(tokens[n], trees[n], hidden=want)
+            run.target.drop_pending()
             t0 = time.perf_counter()
             drafter.propose(ctx)
-            times.append(time.perf_counter() - t0)
+            if i:  # the first is the warm one
+                times.append(time.perf_counter() - t0)
         out[key] = float(np.median(times))
     return out
 
