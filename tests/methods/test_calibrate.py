@@ -392,6 +392,36 @@ def test_pass_trees_reach_the_drafters_depth_within_its_choices():
     assert pass_tree(3, 4, 10).depth == 2 and pass_tree(1000, 2, 3).size == 1 + 3 + 9  # all the ranks allow
 
 
+def test_each_timed_pass_follows_a_forward_of_its_trees_size():
+    """As in the loop, where the heads' pass follows the verify forward of its tree (the chain of 4's pass
+    read 0.48 t(1) back to back, 0.83 after a forward, the loop's own 0.84 on the zoo)."""
+    from methods.measurement.calibrate import _pass_round
+
+    log = []
+    target = SimpleNamespace(forward_tree=lambda tokens, tree, hidden=False: log.append(("fwd", tree.size)),
+                             drop_pending=lambda: None)
+
+    class Drafter:
+        def __init__(self, tree):
+            self.tree = tree
+
+        def reset(self, tokens):
+            pass
+
+        def propose(self, ctx):
+            log.append(("pass", self.tree.size))
+
+    trees = {n: Tree.from_parents([-1] + [0] * (n - 1)) for n in (3, 8)}
+    tokens = {n: torch.zeros(n, dtype=torch.long) for n in trees}
+    drafters = {("qpass_chain", 2): Drafter(Tree.chain(2)), ("qpass", 8): Drafter(pass_tree(8, 2, 4))}
+    ctx = SimpleNamespace(tokens=torch.zeros(4, dtype=torch.long))
+    out = _pass_round(SimpleNamespace(target=target), drafters, ctx, trees, tokens, True)
+    assert set(out) == set(drafters) and all(t >= 0 for t in out.values())
+    passes = [i for i, (kind, _) in enumerate(log) if kind == "pass"]
+    assert len(passes) == 2 * (calibrate_module.FORWARD_REPEAT + 1)
+    assert all(log[i - 1] == ("fwd", log[i][1]) for i in passes)  # each right after its size's forward
+
+
 def test_a_one_pass_drafters_pass_is_priced_on_the_runs_tree(run_config):
     """Medusa's pass, measured in the loop on the calibration's chain of 4, is priced on another tree in
     proportion to the proposals timed per tree: a chain of D drafts runs D heads, a wider tree pays its
