@@ -71,6 +71,11 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion = {"t1": relative_iqr(t1)}
     dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
+    # a one-pass drafter's timed passes price its draft on every other tree (0.3–1 t(1) each, unlike the
+    # ~0.1 ms verification walks): a busy phase that hits them makes no profile either
+    passes = {k: ratios(rounds, k, T_AR) for k in rounds[0]
+              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS)}
+    dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
              if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS)}

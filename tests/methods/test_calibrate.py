@@ -281,6 +281,18 @@ def test_cost_rounds_time_the_verification_per_size():
     assert not any("vstep" in k or "vchain" in k for k in table.dispersion)  # no verdict on the rounds
 
 
+def test_a_scattered_pass_timing_is_a_scattered_profile():
+    """Medusa's timed passes price its draft on every tree: their scatter over the rounds is the profile's."""
+    from methods.measurement.cost_table import QPASS, QPASS_CHAIN, T_AR, cost_table, scatter_reason
+
+    rounds = [{T_AR: 1.0, 4: 1.2, (QPASS_CHAIN, 4): 0.8, (QPASS, 64): p64} for p64 in (0.9, 0.9, 4.5, 0.9)]
+    rounds[1] = {**rounds[1], (QPASS, 64): 4.6}
+    table = cost_table(rounds)
+    assert table.verify_step_ratios[(QPASS, 64)] == pytest.approx(2.7)
+    assert table.dispersion["qpass(64)/t1"] > 1 and table.dispersion["qpass_chain(4)/t1"] == 0
+    assert "qpass(64)/t1" in scatter_reason(table.dispersion)
+
+
 def test_a_profile_keeps_ratios_of_t1_and_re_anchors_them(run_config):
     """Costs are ratios of t(1): on another t(1) every cost scales with it and the predicted speedup of a
     tree does not move (S = k̄ · t(1) / t_step); the absolute step time does."""
