@@ -167,6 +167,16 @@ class MedusaDrafter:
     def batched(self, max_rows: int) -> BatchMedusa:
         return BatchMedusa(self)
 
+    @property
+    def max_depth(self) -> int:
+        """Levels the drafter can fill below the root: one head per depth."""
+        return int(self.heads.num_heads)
+
+    def with_tree(self, tree: Tree) -> MedusaDrafter:
+        """The same heads, candidate mode and backbone on another tree (the calibration times the heads'
+        pass per tree: one head per depth, each head's candidates, every node's token)."""
+        return MedusaDrafter(self.heads, tree, self.sampling, self.mode, self.backbone)
+
     def _layout(self, depth: int) -> tuple[Tree, list[int]]:
         """The configured tree cut to ``depth`` levels and the candidates it needs from each head
         (memoised: at most tree.depth variants)."""

@@ -47,6 +47,8 @@ from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
     QLEVEL,
+    QPASS,
+    QPASS_CHAIN,
     SHARED,
     T_AR,
     TIMING_ATTEMPTS,
@@ -59,6 +61,7 @@ from methods.measurement.cost_table import (
 )
 from methods.measurement.profiles import (
     LOOP_ACCEPTANCE,
+    PASS_DRAFTERS,
     Profile,
     StarRule,
     device_name,
@@ -463,6 +466,7 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
     shared = {"on": True}
     checks = _verify_inputs(run, sizes)
     levels_in = _draft_level_inputs(run, sizes)
+    passes = _pass_inputs(run, context, sizes)
 
     def forwards() -> dict:
         run.target.reset()
@@ -471,6 +475,8 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         out.update(_verify_round(run, checks))
         if levels_in is not None:
             out.update(_draft_level_round(run, context, *levels_in))
+        if passes is not None:
+            out.update(_pass_round(run, *passes))
         if shared["on"]:
             ratio = shared_verify_ratio(run, context)
             shared["on"] = ratio is not None and run.tree.size in out
@@ -529,6 +535,75 @@ def _draft_level_round(run: _Run, context: torch.Tensor, trees: dict, tokens: di
                 draw_without_replacement(probs(logits, run.sampling), LEVEL_CHILDREN, run.generator)
             times.append(time.perf_counter() - t0)
         out[(QLEVEL, w)] = fwd[w] + float(np.median(times))
+    return out
+
+
+def pass_tree(n: int, depth: int, top_k: int) -> Tree:
+    """A tree of n nodes, ``depth`` deep (its rank-0 spine first), then filled breadth-first with every
+    node's next choice (rank < ``top_k``) as a one-pass drafter's own trees are (Medusa's 64-node tree);
+    the largest such tree where n exceeds what the ranks allow."""
+    parents, ranks, kids = [-1], [0], [0]
+    depths = [0]
+    for d in range(1, min(depth, n - 1) + 1):  # the spine: the pass reaches every head
+        parents.append(d - 1), ranks.append(0), depths.append(d), kids.append(0)
+        kids[d - 1] = 1
+    grew = True
+    while len(parents) < n and grew:
+        grew = False
+        for i in range(len(parents)):
+            if len(parents) >= n:
+                break
+            if depths[i] < depth and kids[i] < top_k:
+                parents.append(i), ranks.append(kids[i]), depths.append(depths[i] + 1), kids.append(0)
+                kids[i] += 1
+                grew = True
+    return Tree.from_parents(parents, ranks)
+
+
+def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple | None:
+    """A one-pass drafter whose pass follows its tree (``with_tree``: Medusa runs one head per depth, takes
+    each head's candidates and builds every node's token): the drafter on chains of 1..K drafts (K its
+    ``max_depth``) and on trees K deep of n nodes, n in ``sizes`` beyond the chain of K (pass_tree); a
+    context with the target's hidden state to propose in; and star trees of each drafter's size for the
+    target forward that precedes each pass, as the loop's verify forward does. The loop times the pass on
+    the calibration's chain only; these price it on another tree in proportion (profiles.draft_pass_scale):
+    Medusa's 64-node tree paid 0.67–0.80 t(1) for the heads' pass where its chain of 4 paid 0.60–0.65
+    (quiet sweep). None for other drafters."""
+    with_tree = getattr(run.drafter, "with_tree", None)
+    if with_tree is None or run.cfg.method.draft_steps != "one":
+        return None
+    k = int(run.drafter.max_depth)
+    top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
+    drafters = {(QPASS_CHAIN, d): with_tree(Tree.chain(d)) for d in range(1, k + 1)}
+    drafters.update({(QPASS, n): with_tree(pass_tree(n, k, top_k)) for n in sizes if n > k + 1})
+    trees, tokens = star_inputs(run.target, sorted({d.tree.size for d in drafters.values()}), run.cfg.seed)
+    run.target.reset()
+    start = max(0, context.numel() - 64)
+    pre = run.target.prefill(context[start:], hidden=True)
+    run.target.reset()
+    want = bool(getattr(run.drafter, "needs_hidden_states", False))
+    ctx = DraftContext(context, pre.hidden[-1:] if want else None, run.generator, k + 2)
+    return drafters, ctx, trees, tokens, want
+
+
+def _pass_round(run: _Run, drafters: dict, ctx: DraftContext, trees: dict, tokens: dict, want: bool) -> dict:
+    """Seconds of each drafter's proposal in ``ctx``, each right after a target forward of its tree's size
+    after the committed context (in the loop the pass follows the verify forward of the tree: a 64-node
+    forward's activations and logits leave the heads' weights colder than a chain's); median of
+    FORWARD_REPEAT, after a warm one."""
+    out = {}
+    for key, drafter in drafters.items():
+        n = drafter.tree.size
+        drafter.reset(ctx.tokens)
+        times = []
+        for i in range(FORWARD_REPEAT + 1):
+            run.target.forward_tree(tokens[n], trees[n], hidden=want)
+            run.target.drop_pending()
+            t0 = time.perf_counter()
+            drafter.propose(ctx)
+            if i:  # the first is the warm one
+                times.append(time.perf_counter() - t0)
+        out[key] = float(np.median(times))
     return out
 
 
@@ -778,6 +853,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
         "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
         "draft_models": (_draft_modes(run) or ("", 0))[1],
+        # a one-pass drafter's proposal / t(1) on chains of d drafts and on trees of n nodes its full depth
+        # (Medusa's heads: profiles.draft_pass_scale prices the loop's pass on another tree in proportion)
+        **_pass_extra(t),
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
@@ -785,6 +863,14 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         **_self_draft_extra(cfg, run, m),
         **({"multi_draft": m.replay} if m.replay is not None else {}),
     }
+
+
+def _pass_extra(t: CostTable) -> dict[str, Any]:
+    chains = {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QPASS_CHAIN}
+    if not chains:
+        return {}
+    trees = {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QPASS}
+    return {"draft_pass_chain_ratios": chains, "draft_pass_tree_ratios": trees}
 
 
 def _self_draft_extra(cfg: RunConfig, run: _Run, m: _Measured) -> dict[str, Any]:
@@ -927,6 +1013,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no per-size verification timing (a profile of an older calibration)"
     if "loop_verify_sizes" not in profile.extra:
         return "no law of the loop's draft sizes (a profile of an older calibration)"
+    if cfg.method.drafter in PASS_DRAFTERS and "draft_pass_chain_ratios" not in profile.extra:
+        return "no timed pass per tree (a profile of an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

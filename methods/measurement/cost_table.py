@@ -30,6 +30,9 @@ SHARED = "shared"  # self-speculation's verify forward of the loop's chain resum
 # (VSTEP, n) / (VCHAIN, n): the loop's verification of an n-node tree / chain from its logits (0: its tree)
 VSTEP, VCHAIN = "vstep", "vchain"
 QLEVEL = "qlevel"  # (QLEVEL, w): one draft level fed w nodes (draft forward + choice of the children)
+# a one-pass drafter's proposal (Medusa's heads) timed per tree: (QPASS_CHAIN, d) on a chain of d drafts,
+# (QPASS, n) on a tree of n nodes as deep as the drafter drafts
+QPASS_CHAIN, QPASS = "qpass_chain", "qpass"
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,14 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion = {"t1": relative_iqr(t1)}
     dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
+    # a one-pass drafter's timed passes price its draft on every other tree (0.3–1 t(1) each, unlike the
+    # ~0.1 ms verification walks): a busy phase that hits them makes no profile either
+    passes = {k: ratios(rounds, k, T_AR) for k in rounds[0]
+              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS)}
+    dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL)}
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
                      steps)

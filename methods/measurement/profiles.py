@@ -195,6 +195,9 @@ def star_rule(cfg: RunConfig) -> StarRule:
 # (specsim.adaptive_exit, from the calibration's confidence table): counting its early stops as rejections
 # here too would price the exit twice
 LOOP_ACCEPTANCE = frozenset({"lookahead", "prompt_lookup"})
+# one-pass drafters whose pass the calibration times per tree (methods.measurement.calibrate._pass_inputs;
+# draft_pass_scale): Medusa's heads, one per depth
+PASS_DRAFTERS = frozenset({"medusa"})
 
 
 def key_document(cfg: RunConfig) -> dict[str, Any]:
@@ -377,13 +380,51 @@ def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector"
     return out
 
 
-def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector") -> RunConfig:
+def draft_pass_scale(profile: Profile, tree: Tree | None) -> float:
+    """A one-pass drafter's pass on ``tree`` over its pass on the calibration loop's tree, from the
+    proposals timed per tree in the calibration's rounds (``draft_pass_*_ratios``; 1 without them or
+    without a tree). The pass of depth D and n nodes is priced as the timed chain of D drafts plus what a
+    tree K deep grows by from D + 1 to n nodes (K the deepest chain timed; linear between the timed sizes,
+    and past the largest at its last slope): Medusa runs one head per depth, and every node costs its
+    token (and, sampled, its q row) whatever the depth. The loop's pass, timed on the calibration's chain,
+    priced Medusa's 64-node tree's 10–22% low (quiet sweep): the same loop figure, scaled."""
+    chains = {int(d): float(r) for d, r in (profile.extra.get("draft_pass_chain_ratios") or {}).items()}
+    loop_depth = int(profile.extra.get("loop_tree_depth") or 0)
+    if not chains or tree is None or tree.depth < 1 or loop_depth < 1:
+        return 1.0
+    k = max(chains)
+    grown = {k + 1: 0.0, **{int(n): float(r) - chains[k]
+                             for n, r in (profile.extra.get("draft_pass_tree_ratios") or {}).items()}}
+    sizes = np.array(sorted(grown), dtype=float)
+    extra = np.array([grown[int(n)] for n in sizes])
+
+    def growth(n: int) -> float:  # a tree K deep of n nodes beyond the chain of K, 0 up to the chain's size
+        if n <= sizes[0]:
+            return 0.0
+        if n <= sizes[-1] or sizes.size < 2:
+            return float(np.interp(n, sizes, extra))
+        slope = (extra[-1] - extra[-2]) / (sizes[-1] - sizes[-2])
+        return float(extra[-1] + slope * (n - sizes[-1]))
+
+    def one_pass(depth: int, size: int) -> float:
+        depth = min(depth, k)
+        return chains[depth] + max(0.0, growth(size) - growth(depth + 1))
+
+    loop = one_pass(loop_depth, int(profile.extra.get("loop_tree_size") or loop_depth + 1))
+    return one_pass(tree.depth, tree.size) / loop if loop > 0 else 1.0
+
+
+def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", tree: Tree | None = None
+                  ) -> RunConfig:
     """:func:`measured_acceptance`, priced with the measured draft time (a ratio of the measured t(1), the
     simulator's t_AR: per draft step for a drafter with one pass per level, else a fixed cost per
-    speculation step). Pair it with ``to_measured_cost(profile)``."""
+    speculation step; a one-pass drafter's pass on ``tree`` scaled from the loop's, :func:`draft_pass_scale`).
+    Pair it with ``to_measured_cost(profile)``."""
     out = measured_acceptance(cfg, profile, acceptance)
     m = out.method
     ratio = profile.draft_time_s / float(to_measured_cost(profile).time(1))  # the simulator's t_AR units
+    if m.draft_steps != "depth":
+        ratio *= draft_pass_scale(profile, tree)
     m.draft_cost = "ratio"  # draft_time_s was measured per step of m.draft_steps (calibrate)
     m.draft_tokens_per_forward = 1.0  # ... with a second stage's savings in it (Staged SD)
     forward = profile.extra.get("loop_verify_forward_tokens")
@@ -536,7 +577,8 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     multi = multi_draft_law(cfg, profile, tree)
     if multi is not None:
         tree = multi[0]
-    here_cfg, measured = apply_profile(cfg, profile), to_measured_cost(profile, chain=tree.width <= 1)
+    here_cfg = apply_profile(cfg, profile, tree=tree)  # a one-pass drafter's pass priced on this tree
+    measured = to_measured_cost(profile, chain=tree.width <= 1)
     here = _summary(simulate(here_cfg, profile=measured, tree=tree, draft_levels=draft_levels(cfg, profile)))
     preset_cfg = measured_acceptance(cfg, profile)
     preset = _summary(simulate(preset_cfg, tree=tree))

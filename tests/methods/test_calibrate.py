@@ -23,7 +23,9 @@ from methods.measurement.calibrate import (
     calibrate,
     ensure_profile,
     measure_profile,
+    pass_tree,
     rank_vector,
+    remeasure_reason,
     star_children,
     star_ranks,
 )
@@ -31,6 +33,7 @@ from methods.measurement.profiles import (
     Profile,
     apply_profile,
     draft_levels,
+    draft_pass_scale,
     load_profile,
     loop_forward_excess,
     measured_acceptance,
@@ -278,6 +281,18 @@ def test_cost_rounds_time_the_verification_per_size():
     assert not any("vstep" in k or "vchain" in k for k in table.dispersion)  # no verdict on the rounds
 
 
+def test_a_scattered_pass_timing_is_a_scattered_profile():
+    """Medusa's timed passes price its draft on every tree: their scatter over the rounds is the profile's."""
+    from methods.measurement.cost_table import QPASS, QPASS_CHAIN, T_AR, cost_table, scatter_reason
+
+    rounds = [{T_AR: 1.0, 4: 1.2, (QPASS_CHAIN, 4): 0.8, (QPASS, 64): p64} for p64 in (0.9, 0.9, 4.5, 0.9)]
+    rounds[1] = {**rounds[1], (QPASS, 64): 4.6}
+    table = cost_table(rounds)
+    assert table.verify_step_ratios[(QPASS, 64)] == pytest.approx(2.7)
+    assert table.dispersion["qpass(64)/t1"] > 1 and table.dispersion["qpass_chain(4)/t1"] == 0
+    assert "qpass(64)/t1" in scatter_reason(table.dispersion)
+
+
 def test_a_profile_keeps_ratios_of_t1_and_re_anchors_them(run_config):
     """Costs are ratios of t(1): on another t(1) every cost scales with it and the predicted speedup of a
     tree does not move (S = k̄ · t(1) / t_step); the absolute step time does."""
@@ -369,8 +384,78 @@ def test_medusa_profile_has_one_vector_per_head(run_config, tiny_models, cache):
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
     assert Profile.from_json(json.loads(json.dumps(prof.to_json()))) == prof
+    # the heads' pass timed per tree in the same rounds: chains of 1..3 drafts, trees 3 deep beyond them
+    assert set(prof.extra["draft_pass_chain_ratios"]) == {"1", "2", "3"}
+    loop_tree = str(prof.extra["loop_tree_size"])  # Medusa's own 62-node tree (3 heads), beyond the chain
+    assert set(prof.extra["draft_pass_tree_ratios"]) == {"8", loop_tree}
+    assert all(r > 0 for r in prof.extra["draft_pass_chain_ratios"].values())
     vanilla = measure_profile(run_config(*SMALL, "method=vanilla"), tiny_models, show_progress=False)
     assert vanilla.acceptance_vectors_by_depth == ()  # a draft model's law is positional
+    assert "draft_pass_chain_ratios" not in vanilla.extra  # its draft is priced per level (draft_levels)
+    assert remeasure_reason(vanilla, run_config(*SMALL, "method=vanilla")) == ""
+    older = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if "draft_pass" not in k})
+    assert "pass per tree" in remeasure_reason(older, cfg)
+
+
+def test_pass_trees_reach_the_drafters_depth_within_its_choices():
+    tree = pass_tree(64, 4, 10)
+    assert tree.size == 64 and tree.depth == 4 and max(tree.ranks) < 10
+    assert tree.parents[:5] == (-1, 0, 1, 2, 3)  # the spine first: every head runs
+    assert pass_tree(3, 4, 10).depth == 2 and pass_tree(1000, 2, 3).size == 1 + 3 + 9  # all the ranks allow
+
+
+def test_each_timed_pass_follows_a_forward_of_its_trees_size():
+    """As in the loop, where the heads' pass follows the verify forward of its tree (the chain of 4's pass
+    read 0.48 t(1) back to back, 0.83 after a forward, the loop's own 0.84 on the zoo)."""
+    from methods.measurement.calibrate import _pass_round
+
+    log = []
+    target = SimpleNamespace(forward_tree=lambda tokens, tree, hidden=False: log.append(("fwd", tree.size)),
+                             drop_pending=lambda: None)
+
+    class Drafter:
+        def __init__(self, tree):
+            self.tree = tree
+
+        def reset(self, tokens):
+            pass
+
+        def propose(self, ctx):
+            log.append(("pass", self.tree.size))
+
+    trees = {n: Tree.from_parents([-1] + [0] * (n - 1)) for n in (3, 8)}
+    tokens = {n: torch.zeros(n, dtype=torch.long) for n in trees}
+    drafters = {("qpass_chain", 2): Drafter(Tree.chain(2)), ("qpass", 8): Drafter(pass_tree(8, 2, 4))}
+    ctx = SimpleNamespace(tokens=torch.zeros(4, dtype=torch.long))
+    out = _pass_round(SimpleNamespace(target=target), drafters, ctx, trees, tokens, True)
+    assert set(out) == set(drafters) and all(t >= 0 for t in out.values())
+    passes = [i for i, (kind, _) in enumerate(log) if kind == "pass"]
+    assert len(passes) == 2 * (calibrate_module.FORWARD_REPEAT + 1)
+    assert all(log[i - 1] == ("fwd", log[i][1]) for i in passes)  # each right after its size's forward
+
+
+def test_a_one_pass_drafters_pass_is_priced_on_the_runs_tree(run_config):
+    """Medusa's pass, measured in the loop on the calibration's chain of 4, is priced on another tree in
+    proportion to the proposals timed per tree: a chain of D drafts runs D heads, a wider tree pays its
+    growth by node count (the quiet sweep's 64-node tree paid 10–22% more than its chain-of-4 price)."""
+    prof = dataclasses.replace(_profile(max_draft_depth=4), draft_ratio=0.6, drafter="medusa")
+    prof.extra.update(draft_pass_chain_ratios={"1": 0.2, "2": 0.3, "3": 0.4, "4": 0.5},
+                      draft_pass_tree_ratios={"8": 0.52, "32": 0.6, "64": 0.7},
+                      loop_tree_depth=4, loop_tree_size=5)
+    cfg = run_config("method=medusa", "hardware=cpu")
+    wide = pass_tree(64, 4, 10)
+    assert draft_pass_scale(prof, Tree.chain(4)) == pytest.approx(1.0)  # the loop's own tree
+    assert draft_pass_scale(prof, wide) == pytest.approx(0.7 / 0.5)
+    assert draft_pass_scale(prof, Tree.chain(2)) == pytest.approx(0.3 / 0.5)  # two heads
+    shallow = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 1], [2, 0]])  # 8 nodes, 2 deep
+    assert draft_pass_scale(prof, shallow) == pytest.approx((0.3 + 0.02 - 0.0) / 0.5)  # growth 5 → 8 nodes
+    assert draft_pass_scale(prof, pass_tree(128, 4, 10)) == pytest.approx((0.5 + 0.2 + 0.1 / 32 * 64) / 0.5)
+    here, _ = tree_predictions(cfg, prof, wide)
+    chain, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert chain["t_draft_s"] == pytest.approx(prof.draft_time_s)
+    assert here["t_draft_s"] == pytest.approx(prof.draft_time_s * 0.7 / 0.5)
+    untimed = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if "draft_pass" not in k})
+    assert tree_predictions(cfg, untimed, wide)[0]["t_draft_s"] == pytest.approx(prof.draft_time_s)
 
 
 def test_depth_vectors_price_a_medusa_tree_below_the_positional_model(run_config):
