@@ -12,12 +12,19 @@ torch.compile's freezing does on CPU): in bfloat16 bit-identical to ``F.linear``
 sizes (n = 1..16 rows); in float32 equal to float rounding and ~3x faster for n > 1. The copies cost the
 projection weights' memory once more (skipped above ``PACK_LIMIT_BYTES``) and are rebuilt when the model's
 weights change in place (parameter version counters, checked once per forward).
+
+oneDNN's linear costs ~10 µs per call whatever the size, so a tiny projection on a few rows (a small draft
+model's at batch 1) runs instead as one float32 BLAS ``mm`` on a float32 (in, out) copy of the weight (the
+weight itself, transposed, for a float32 model), 2x faster there: ``SMALL_MACS`` rows x weight elements at
+most. The float32 products of bfloat16 values are exact, so the result is the bf16 linear's to the order of
+the float32 sums, rounded to bf16 (equal to float rounding, like the prepacked path).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +52,36 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+# multiply-accumulates per call (rows x weight elements) up to which the packed path's projection runs as a
+# float32 mm instead (module docstring); measured on an AVX-512 EPYC, thread CPU time, one thread
+SMALL_MACS = {torch.bfloat16: 1 << 16, torch.float32: 1 << 18}
+
+
+class _Dual(NamedTuple):
+    """A small projection: its packed weight and (in, out) float32 copy (or view), and the most rows a
+    call may have to take the mm path."""
+
+    packed: torch.Tensor
+    t32: torch.Tensor
+    rows: int
+
+
+def _dual(w: torch.Tensor) -> torch.Tensor | _Dual:
+    rows = SMALL_MACS.get(w.dtype, 0) // w.numel()
+    if rows < 1:
+        return _pack(w)
+    return _Dual(_pack(w), w.t() if w.dtype == torch.float32 else w.t().float().contiguous(), rows)
+
+
+def _dual_linear(x: torch.Tensor, w: torch.Tensor | _Dual) -> torch.Tensor:
+    """The packed linear, or the float32 mm for a ``_Dual`` weight on at most its ``rows`` rows."""
+    if type(w) is _Dual:
+        if x.shape[0] <= w.rows:
+            return torch.mm(x.float(), w.t32).to(x.dtype)  # no-op casts for float32
+        w = w.packed
+    return _packed_linear(x, w)
 
 
 # for other small inference-only modules that run next to the target (EAGLE heads)
@@ -114,11 +151,11 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Layer:
     ln_in: torch.Tensor  # (H,)
-    w_qkv: torch.Tensor  # ((Hq + 2 Hkv) D, H)
-    w_o: torch.Tensor  # (H, Hq D)
+    w_qkv: torch.Tensor | _Dual  # ((Hq + 2 Hkv) D, H) (packed: packed or _Dual, also below)
+    w_o: torch.Tensor | _Dual  # (H, Hq D)
     ln_post: torch.Tensor  # (H,)
-    w_gate_up: torch.Tensor  # (2 I, H)
-    w_down: torch.Tensor  # (H, I)
+    w_gate_up: torch.Tensor | _Dual  # (2 I, H)
+    w_down: torch.Tensor | _Dual  # (H, I)
 
 
 class FastLlama:
@@ -146,10 +183,10 @@ class FastLlama:
                                       layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight))
         self._lm_head = model.get_output_embeddings().weight
         self.packed = can_pack(model) if pack is None else pack
-        self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+        self.linear: Callable[..., torch.Tensor] = F.linear
         self.layers, self.lm_head = self._plain, self._lm_head
         if self.packed:
-            self.linear = _packed_linear
+            self.linear = _dual_linear
             # the HF parameters (not the fused tensors: a Parameter re-pointed with .data keeps its own
             # version counter), whose in-place updates must reach the packed copies. Inference tensors (a
             # model loaded under inference_mode) have no version counter: their updates cannot be seen.
@@ -162,6 +199,8 @@ class FastLlama:
         self.cos, self.sin = cos[0], sin[0]  # (C, D)
         half = self.head_dim // 2  # rotate_half(x) * sin = roll(x, D/2) * (sin with its first half negated)
         self.sin_rot = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)  # (C, D)
+        # (C, 2, 1, D): cos and sin_rot in one gather per forward, already broadcast over the heads
+        self._rope_table = torch.stack([self.cos, self.sin_rot], dim=1)[:, :, None]
 
     def _stamp(self) -> int:
         return sum(p._version for p in self._watched)
@@ -169,9 +208,9 @@ class FastLlama:
     @torch.no_grad()
     def _repack(self) -> None:
         self._version = self._stamp()
-        self.layers = [_Layer(lay.ln_in, _pack(lay.w_qkv), _pack(lay.w_o), lay.ln_post, _pack(lay.w_gate_up),
-                              _pack(lay.w_down)) for lay in self._plain]
-        self.lm_head = _pack(self._lm_head)
+        self.layers = [_Layer(lay.ln_in, _dual(lay.w_qkv), _dual(lay.w_o), lay.ln_post, _dual(lay.w_gate_up),
+                              _dual(lay.w_down)) for lay in self._plain]
+        self.lm_head = _dual(self._lm_head)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(n, H) final hidden states → (n, V) logits in the model's dtype (LM head; packed if packing)."""
@@ -215,7 +254,8 @@ class FastLlama:
         n, d = x.shape[0], self.head_dim
         m = n // rows  # nodes per row
         linear = self.linear
-        cos, sin = self.cos[position], self.sin_rot[position]  # (n, D)
+        table = self._rope_table[position]
+        cos, sin = table[:, 0], table[:, 1]  # (n, 1, D) each, broadcast over the heads
         hq, k_end = self.n_heads, (self.n_heads + self.n_kv) * d
         gqa, adt = self.n_heads != self.n_kv, self.attn_dtype
         cast = adt != x.dtype
@@ -311,7 +351,7 @@ def blocked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor) -> torch.Tensor:
-    """x (n, heads, D) rotated at its positions (cos, sin_rot: (n, D)), HF's rotate_half convention:
+    """x (n, heads, D) rotated at its positions (cos, sin_rot: (n, 1, D)), HF's rotate_half convention:
     rotate_half(x) * sin = roll(x, D/2) * sin_rot (``FastLlama.sin_rot``: sin, its first half negated), the
     same products bit for bit in two ops fewer."""
-    return x * cos[:, None] + x.roll(x.shape[-1] // 2, -1) * sin_rot[:, None]
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rot

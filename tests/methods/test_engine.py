@@ -174,6 +174,32 @@ def test_packed_bf16_projections_match_plain_ones(tiny_target):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_projections_run_as_float32_mm_on_few_rows(tiny_target, dtype):
+    """Packed engines run a tiny projection on at most ``rows`` rows as a float32 mm (oneDNN's per-call cost
+    dominates there), more rows on the packed weight; both give the plain forward's logits to rounding and
+    its greedy choices, one node (decode) and a tree alike."""
+    import copy
+
+    from methods.core.fast_llama import SMALL_MACS, _Dual
+
+    model = copy.deepcopy(tiny_target).to(dtype)
+    packed, plain = ModelEngine(model, pack=True), ModelEngine(model, pack=False)
+    duals = [w for lay in packed.fast.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)
+             if isinstance(w, _Dual)]
+    assert duals and all(d.rows == SMALL_MACS[dtype] // d.t32.numel() >= 1 for d in duals)
+    assert all(d.t32.dtype == torch.float32 for d in duals)
+    ids, tree = torch.arange(40, 80), random_tree(9, 3)
+    tokens = torch.randint(0, 300, (tree.size,), generator=torch.Generator().manual_seed(3))
+    for engine in (packed, plain):
+        engine.prefill(ids)
+    for forward in (lambda e: e.extend(tokens[:1], [-1]), lambda e: e.forward_tree(tokens, tree)):
+        a, b = forward(packed).logits, forward(plain).logits
+        torch.testing.assert_close(a, b, atol=0.02 * b.abs().max().item(), rtol=0)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        packed.drop_pending(), plain.drop_pending()
+
+
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 def test_in_place_weight_loads_reach_every_engine(tiny_target, pack):
     """Fusing is idempotent and shares storage, packed copies follow the parameters' version counters: a
@@ -224,8 +250,10 @@ def test_lean_norm_and_rope_are_hf_bit_for_bit(tiny_target, dtype):
     cos, sin = fast.cos[pos], fast.sin[pos]  # HF's own rotary table (the model's rotary_emb)
     heads_first = (q.transpose(0, 1)[None], k.transpose(0, 1)[None])  # HF's (1, heads, n, D)
     want_q, want_k = apply_rotary_pos_emb(*heads_first, cos[None], sin[None])
-    assert torch.equal(_rope(q, cos, fast.sin_rot[pos]), want_q[0].transpose(0, 1))
-    assert torch.equal(_rope(k, cos, fast.sin_rot[pos]), want_k[0].transpose(0, 1))
+    table = fast._rope_table[pos]  # what the forward gathers: (n, 2, 1, D)
+    assert torch.equal(table[:, 0, 0], cos) and torch.equal(table[:, 1, 0], fast.sin_rot[pos])
+    assert torch.equal(_rope(q, table[:, 0], table[:, 1]), want_q[0].transpose(0, 1))
+    assert torch.equal(_rope(k, table[:, 0], table[:, 1]), want_k[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize(("rows", "prefix", "heads", "kv_heads"), [(1, 0, 4, 4), (1, 9, 4, 2), (3, 5, 4, 2)])
