@@ -498,7 +498,7 @@ def test_eagle_draft_levels_are_timed_on_its_head_not_the_draft_model(run_config
     model: a head whose level costs w extra seconds on calibration's clock gives ratios growing as w."""
     from methods.drafters.eagle import EagleDrafter
 
-    offset, widths, real = [0.0], [], EagleDrafter.level_step
+    offset, widths, calls, real = [0.0], [], [], EagleDrafter.level_step
 
     def slow(self, width, context, children, generator):
         step = real(self, width, context, children, generator)
@@ -506,6 +506,7 @@ def test_eagle_draft_levels_are_timed_on_its_head_not_the_draft_model(run_config
 
         def run():
             step()
+            calls.append(width)
             offset[0] += 1000.0 * width
 
         return run
@@ -517,6 +518,7 @@ def test_eagle_draft_levels_are_timed_on_its_head_not_the_draft_model(run_config
     prof = measure_profile(cfg, tiny_models, show_progress=False)
     ratios = prof.extra["draft_level_ratios"]
     assert set(widths) == {1, 2, 4, 8} and set(ratios) == {"1", "2", "4", "8"}
+    assert calls and calls == [1, 2, 4, 8] * (len(calls) // 4)  # the widths interleaved
     for w in (2, 4, 8):
         assert ratios[str(w)] / ratios["1"] == pytest.approx(w, rel=1e-3)
     assert prof.extra["draft_models"] == 0 and prof.extra["draft_level_timing"] == "drafter"
