@@ -158,7 +158,11 @@ class Drafter(Protocol):
     over before ``reset``. Such a drafter must leave the engine with no pending node, or exactly the nodes
     its ``Draft.resume`` describes. Optional method ``batched(max_rows: int) -> BatchDrafter``: the drafter's
     batched form for methods.core.batch_loop (B sequences at once); a drafter without it is batched per row
-    by methods.core.batch_drafter.PerRow (one instance per row, when the drafter's state allows it)."""
+    by methods.core.batch_drafter.PerRow (one instance per row, when the drafter's state allows it). Optional
+    method ``level_step(width, context, children, generator) -> Callable[[], None]``: one level of the
+    drafter's own drafting fed ``width`` rows after ``context`` committed tokens, choosing ``children``
+    children per row, on state of its own (calibration times it per width: methods.measurement.calibrate;
+    draft-model drafters without it are timed on their draft model's forward)."""
 
     needs_hidden_states: bool
 

@@ -184,6 +184,35 @@ class EagleDrafter:
         h = self.head.fuse(src.to(p.device, p.dtype))
         self.cache.append(h, ctx.tokens[t - n :].to(p.device))
 
+    # ---- calibration ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def level_step(self, width: int, context: int, children: int, generator: torch.Generator):
+        """Drafter protocol hook (calibration's draft level): a callable running one level of this
+        drafter's drafting fed ``width`` rows after ``context`` committed rows: the head's forward of the
+        rows (their pending attention), its LM head, the choice of ``children`` children per row in the
+        drafter's mode (EAGLE-2's dynamic trees: the top_k of log q). On a head cache of its own, committed
+        rows from random features (a level's cost does not depend on their values)."""
+        p = self.head.fc.weight
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.head.embed.shape[0]  # the target's ids (the fed tokens' embedding)
+        cache = HeadCache(self.head, capacity=context + 2 * width)
+        h = torch.randn(max(context, 1), self.head.cfg.hidden_size, generator=gen).to(p.device, p.dtype)
+        cache.append(h, torch.randint(vocab, (h.shape[0],), generator=gen).to(p.device))
+        rows = cache.last.expand(width, -1)
+        tokens = torch.randint(vocab, (width,), generator=gen).to(p.device)
+        parents = np.full(width, -1)
+
+        @torch.inference_mode()
+        def step() -> None:
+            cache.drop_pending()
+            g = cache.feed(rows, tokens, 1, parents)
+            if self.dynamic is not None:
+                self._top_log_q(g)
+            else:
+                self._children(self.head.logits(g), children, generator)
+
+        return step
+
     # ---- static trees --------------------------------------------------------------------------------
     def _static(self, root: int, depth: int, ctx: DraftContext) -> Draft:
         """Level by level: one head forward over the level's fed nodes, one choice of children for all of

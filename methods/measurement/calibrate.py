@@ -42,7 +42,7 @@ from methods.core.timing import (
 from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.registry import backbone_of, build_drafter
+from methods.drafters.registry import backbone_of, build_drafter, drafter_class
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
@@ -474,7 +474,7 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         out = forward_round(run.target, trees, tokens, repeat=FORWARD_REPEAT)
         out.update(_verify_round(run, checks))
         if levels_in is not None:
-            out.update(_draft_level_round(run, context, *levels_in))
+            out.update(levels_in(context))
         if passes is not None:
             out.update(_pass_round(run, *passes))
         if shared["on"]:
@@ -496,20 +496,46 @@ def _draft_modes(run: _Run) -> tuple[str, int] | None:
     vanilla/Sequoia drafter, SpecInfer's members), else None."""
     members = getattr(run.drafter, "members", None) or [run.drafter]
     mode = getattr(members[0], "mode", None)
-    if run.draft is None or mode is None or run.cfg.method.draft_steps != "depth":
+    if run.draft is None or mode is None or run.cfg.method.draft_steps != "depth" or _own_level(run):
         return None
     return mode, len(members)
 
 
-def _draft_level_inputs(run: _Run, sizes: list[int]) -> tuple[dict, dict, str] | None:
-    """Star trees of w nodes for the draft model (one level fed w nodes), w in LEVEL_WIDTHS up to the largest
-    size, and the drafter's sampling mode; None for drafters without a draft model filled per level."""
+def _own_level(run: _Run) -> bool:
+    """Whether the drafter times its own draft level (the protocol's optional ``level_step``: EAGLE's head),
+    drafting level by level."""
+    return hasattr(run.drafter, "level_step") and run.cfg.method.draft_steps == "depth"
+
+
+def _draft_level_inputs(run: _Run, sizes: list[int]) -> Callable[[torch.Tensor], dict] | None:
+    """The timing of one draft level fed w nodes, w in LEVEL_WIDTHS up to the largest size, after a context:
+    the drafter's own level (``level_step``), else the draft model's forward of star trees of w nodes and
+    the choice of children in the drafter's sampling mode; None for drafters with neither."""
+    widths = [w for w in LEVEL_WIDTHS if w <= max(sizes)]
+    if _own_level(run):
+        return lambda context: _own_level_round(run, context, widths)
     modes = _draft_modes(run)
     if modes is None:
         return None
-    widths = [w for w in LEVEL_WIDTHS if w <= max(sizes)]
     trees, tokens = star_inputs(run.draft, widths, run.cfg.seed)
-    return trees, tokens, modes[0]
+    return lambda context: _draft_level_round(run, context, trees, tokens, modes[0])
+
+
+def _own_level_round(run: _Run, context: torch.Tensor, widths: list[int]) -> dict:
+    """Seconds of the drafter's own draft level fed w nodes after ``context`` (its ``level_step``: its
+    forward of the w rows, its LM head, LEVEL_CHILDREN children per row), median of FORWARD_REPEAT, the
+    widths interleaved after one untimed step each (timed one width after the other, w = 1 read 4-14% above
+    w = 2 in 3 of 4 zoo profiles, 3% below it interleaved). Keyed (QLEVEL, w)."""
+    steps = {w: run.drafter.level_step(w, context.numel(), LEVEL_CHILDREN, run.generator) for w in widths}
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for step in steps.values():
+        step()
+    for _ in range(FORWARD_REPEAT):
+        for w, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[w].append(time.perf_counter() - t0)
+    return {(QLEVEL, w): float(np.median(t)) for w, t in times.items()}
 
 
 def _draft_level_round(run: _Run, context: torch.Tensor, trees: dict, tokens: dict, mode: str) -> dict:
@@ -856,6 +882,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # a one-pass drafter's proposal / t(1) on chains of d drafts and on trees of n nodes its full depth
         # (Medusa's heads: profiles.draft_pass_scale prices the loop's pass on another tree in proportion)
         **_pass_extra(t),
+        "draft_level_timing": "drafter" if _own_level(run) else "draft_model" if _draft_modes(run) else None,
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
@@ -1015,6 +1042,9 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no law of the loop's draft sizes (a profile of an older calibration)"
     if cfg.method.drafter in PASS_DRAFTERS and "draft_pass_chain_ratios" not in profile.extra:
         return "no timed pass per tree (a profile of an older calibration)"
+    if (hasattr(drafter_class(cfg.method.drafter), "level_step") and cfg.method.draft_steps == "depth"
+            and profile.extra.get("draft_level_timing") != "drafter"):
+        return "draft levels timed on the draft model, not the drafter's own (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -140,6 +141,7 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert set(prof.extra["verify_step_ratios"]) == {"0", *(str(n) for n in prof.t_n if n > 1)}
     assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
     assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
+    assert prof.extra["draft_level_timing"] == "draft_model"
     levels = draft_levels(cfg, prof)
     assert levels.time(1) == pytest.approx(prof.draft_time_s)
     growth = prof.extra["draft_level_ratios"]["8"] / prof.extra["draft_level_ratios"]["1"]
@@ -569,6 +571,70 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
+
+
+@pytest.mark.parametrize("method,extra", [("eagle", ("tree=chain", "tree.gamma=3")),
+                                          ("eagle2", ("tree=dynamic", "tree.total_tokens=6", "tree.depth=3",
+                                                      "tree.top_k=2"))])
+def test_eagle_draft_levels_are_timed_on_its_head_not_the_draft_model(run_config, tiny_models, cache,
+                                                                        monkeypatch, method, extra):
+    """EAGLE's per-width draft level is its head's (the drafter's ``level_step``), though the zoo has a draft
+    model: a head whose level costs w extra seconds on calibration's clock gives ratios growing as w."""
+    from methods.drafters.eagle import EagleDrafter
+
+    offset, widths, calls, real = [0.0], [], [], EagleDrafter.level_step
+
+    def slow(self, width, context, children, generator):
+        step = real(self, width, context, children, generator)
+        widths.append(width)
+
+        def run():
+            step()
+            calls.append(width)
+            offset[0] += 1000.0 * width
+
+        return run
+
+    monkeypatch.setattr(EagleDrafter, "level_step", slow)
+    monkeypatch.setattr(calibrate_module, "time",
+                        SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0]))
+    cfg = run_config(*SMALL, f"method={method}", "method.params.head=random", *extra)
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    ratios = prof.extra["draft_level_ratios"]
+    assert set(widths) == {1, 2, 4, 8} and set(ratios) == {"1", "2", "4", "8"}
+    assert calls and calls == [1, 2, 4, 8] * (len(calls) // 4)  # the widths interleaved
+    for w in (2, 4, 8):
+        assert ratios[str(w)] / ratios["1"] == pytest.approx(w, rel=1e-3)
+    assert prof.extra["draft_models"] == 0 and prof.extra["draft_level_timing"] == "drafter"
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_level_timing"})
+    assert "draft levels" in remeasure_reason(old, cfg)  # timed on the draft model before: measured again
+
+
+def test_eagle_level_step_feeds_its_width_through_the_head(run_config, tiny_models):
+    """One level of the hook: the head fed ``width`` rows after the context, its logits, the children."""
+    from methods.drafters.registry import build_drafter
+    from methods.heads.eagle.state import HeadCache
+
+    cfg = run_config("method=eagle", "method.params.head=random", "tree=chain", "tree.gamma=3")
+    drafter = build_drafter(cfg.method, Tree.chain(3), tiny_models, SamplingParams(0.0))
+    fed, logits, real_feed, real_logits = [], [], HeadCache.feed, drafter.head.logits
+
+    def feed(self, h, tokens, depth, parents):
+        fed.append((self.length, h.shape[0]))
+        return real_feed(self, h, tokens, depth, parents)
+
+    def count(g):
+        logits.append(g.shape[0])
+        return real_logits(g)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HeadCache, "feed", feed)
+        mp.setattr(drafter.head, "logits", count)
+        step = drafter.level_step(4, 40, 3, torch.Generator().manual_seed(0))
+        step(), step()
+    assert fed == [(40, 4), (40, 4)] and logits == [4, 4]
+    assert drafter.cache.length == 0  # the drafter's own cache is untouched
 
 
 def test_dynamic_tree_is_priced_as_the_best_static_tree_of_its_budget(run_config):
