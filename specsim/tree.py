@@ -59,6 +59,16 @@ class Tree:
         return cls(tuple(range(-1, gamma)))
 
     @classmethod
+    def beams(cls, k: int, depth: int) -> Tree:
+        """k chains of ``depth`` nodes below the root: the nodes a drafter that expands its k best nodes at
+        every level feeds (EAGLE-2's dynamic tree: the root, then k nodes per level), whatever it keeps."""
+        assert k >= 1 and depth >= 0
+        parents = [-1] + [0] * min(k, depth * k)
+        for d in range(1, depth):
+            parents += list(range(1 + (d - 1) * k, 1 + d * k))
+        return cls(tuple(parents))
+
+    @classmethod
     def kary(cls, k: int, depth: int) -> Tree:
         """Full k-ary tree of the given depth below the root (k^1 + … + k^depth draft nodes)."""
         assert k >= 1 and depth >= 0

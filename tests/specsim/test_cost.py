@@ -157,3 +157,24 @@ def test_a_measured_draft_level_is_priced_by_the_nodes_it_feeds():
     assert cost.time(tree, t1=1.0) == pytest.approx(1.0 + 1.5 + 1.0)
     assert cost.time(Tree.chain(3), t1=1.0) == pytest.approx(3.0)
     assert DraftCost(ratio=0.3).widths(tree) == [1, 3, 3]  # every node of the level (the roofline's count)
+
+
+def test_a_dynamic_tree_drafts_every_level_it_expands_whatever_it_keeps():
+    """EAGLE-2's drafter feeds the root, then its top_k best nodes at each of depth levels, and keeps
+    total_tokens of all it drafted: the draft is priced on that expansion (Tree.beams), not on the kept
+    tree, which may be shallower (the zoo: a kept tree 2 deep of a 3-level expansion)."""
+    from specsim.config import TreeConfig, TreeKind
+
+    assert Tree.beams(4, 3).parents == (-1, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8)
+    assert Tree.beams(3, 1).parents == (-1, 0, 0, 0) and Tree.beams(2, 0).parents == (-1,)
+    cfg = RunConfig(hardware=A100, model=LLAMA7B)
+    cfg.method = MethodConfig(name="eagle2", draft_cost_ratio=0.1)
+    cfg.tree = TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=12, depth=3, top_k=4)
+    q = MeasuredCost((1, 4), (1.0, 2.0))  # a level fed 1 node: 1 s, fed 4 nodes: 2 s
+    kept = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1]])  # 2 deep
+    for draft_levels, expected in ((None, 3 * 0.1), (q, 1.0 + 2.0 + 2.0)):
+        cost = CostModel.from_config(cfg, profile=FLAT, draft_levels=draft_levels)
+        assert cost.draft_time(kept) == pytest.approx(expected)  # 3 levels fed 1, 4, 4 nodes
+        assert cost.draft_time(Tree.chain(0)) == 0.0  # nothing drafted
+    cfg.tree = TreeConfig(name="kary", kind=TreeKind.kary, k=2, depth=2)
+    assert CostModel.from_config(cfg, profile=FLAT).draft_time(kept) == pytest.approx(2 * 0.1)
