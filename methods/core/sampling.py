@@ -141,6 +141,16 @@ def draw_without_replacement(q: Tensor, n: int, generator: torch.Generator) -> t
     return idx, keys > 0
 
 
+def draw_candidates(q: Tensor, n: int, mode: str, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """n candidate children from each row of q (..., V) in a sampled drafting mode: ``with_replacement``
+    n i.i.d. draws (all valid), else a draw without replacement (draw_without_replacement: invalid beyond a
+    row's support). Returns (..., n) ids and (..., n) bool."""
+    if mode == "with_replacement":
+        idx = torch.multinomial(q, n, replacement=True, generator=generator)
+        return idx, torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
+    return draw_without_replacement(q, min(n, q.shape[-1]), generator)
+
+
 def draw(rng: torch.Generator | Randomness, row: Tensor) -> int:
     """One token from the unnormalised, non-negative row (V,)."""
     return as_randomness(rng).first_success(row.new_zeros(0), row[None], (True,))[1]

@@ -27,7 +27,7 @@ import torch
 from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
 from methods.core.fast_llama import packing_works
 from methods.core.loop import subtree
-from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.drafters.params import checked_params
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
@@ -268,10 +268,7 @@ class EagleDrafter:
             idx = z.topk(min(width, z.shape[-1])).indices.cpu().numpy()
             return idx, np.ones(idx.shape, dtype=bool), None
         qp = probs(z, self.sampling)  # (rows, V)
-        if self.mode == "with_replacement":
-            idx = torch.multinomial(qp, width, replacement=True, generator=gen)
-            return idx.cpu().numpy(), np.ones(idx.shape, dtype=bool), qp
-        idx, drawn = draw_without_replacement(qp, min(width, qp.shape[-1]), gen)
+        idx, drawn = draw_candidates(qp, width, self.mode, gen)
         return idx.cpu().numpy(), drawn.cpu().numpy(), qp
 
     # ---- EAGLE-2's dynamic tree ----------------------------------------------------------------------

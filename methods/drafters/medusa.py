@@ -36,7 +36,7 @@ from methods.core.drafter import (
     root_only,
 )
 from methods.core.loop import kept_nodes, subtree
-from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.core.verify import VERIFIER_PARAMS
 from methods.drafters.params import checked_params
 from methods.heads.medusa.checkpoint import load_heads
@@ -249,9 +249,7 @@ def _prune(tree: Tree, widths: list[int]) -> Tree:
 def _draw(q: torch.Tensor, n: int, mode: str, generator: torch.Generator) -> torch.Tensor:
     """n candidates from q (V,): i.i.d. (with replacement), or a without-replacement sequence (fewer when q's
     support is smaller than n)."""
-    if mode == "with_replacement":
-        return torch.multinomial(q, n, replacement=True, generator=generator)
-    cands, drawn = draw_without_replacement(q, min(n, q.shape[-1]), generator)
+    cands, drawn = draw_candidates(q, n, mode, generator)
     return cands[drawn]
 
 
