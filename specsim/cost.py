@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from specsim.config import HardwareConfig, ModelConfig, RunConfig
+from specsim.config import HardwareConfig, ModelConfig, RunConfig, TreeKind
 from specsim.tree import Tree
 
 
@@ -218,7 +218,8 @@ class CostModel:
         draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
         if draft_levels is not None and not one:
             draft = replace(draft, model=draft_levels, fed_width=True)
-        expands = Tree.beams(cfg.tree.top_k, cfg.tree.depth) if cfg.tree.kind == "dynamic" else None
+        dynamic = TreeKind(cfg.tree.kind) == TreeKind.dynamic
+        expands = Tree.beams(cfg.tree.top_k, cfg.tree.depth) if dynamic else None
         return cls(target, draft, m.verify_extra_tokens, m.verify_reuse_ratio, m.verify_saving_ratio, expands)
 
     @property
