@@ -61,7 +61,6 @@ from methods.measurement.cost_table import (
 )
 from methods.measurement.profiles import (
     LOOP_ACCEPTANCE,
-    PASS_DRAFTERS,
     Profile,
     StarRule,
     device_name,
@@ -501,10 +500,20 @@ def _draft_modes(run: _Run) -> tuple[str, int] | None:
     return mode, len(members)
 
 
+def times_own_level(drafter: Any, cfg: RunConfig) -> bool:
+    """Whether calibration times the drafter's own draft level (the protocol's optional ``level_step``:
+    EAGLE's head), drafting level by level; ``drafter`` an instance or its class."""
+    return hasattr(drafter, "level_step") and cfg.method.draft_steps == "depth"
+
+
+def times_pass_per_tree(drafter: Any, cfg: RunConfig) -> bool:
+    """Whether calibration times the drafter's one pass per tree (the optional ``with_tree``: Medusa's
+    heads); ``drafter`` an instance or its class."""
+    return hasattr(drafter, "with_tree") and cfg.method.draft_steps == "one"
+
+
 def _own_level(run: _Run) -> bool:
-    """Whether the drafter times its own draft level (the protocol's optional ``level_step``: EAGLE's head),
-    drafting level by level."""
-    return hasattr(run.drafter, "level_step") and run.cfg.method.draft_steps == "depth"
+    return times_own_level(run.drafter, run.cfg)
 
 
 def _draft_level_inputs(run: _Run, sizes: list[int]) -> Callable[[torch.Tensor], dict] | None:
@@ -595,9 +604,9 @@ def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple | 
     the calibration's chain only; these price it on another tree in proportion (profiles.draft_pass_scale):
     Medusa's 64-node tree paid 0.67–0.80 t(1) for the heads' pass where its chain of 4 paid 0.60–0.65
     (quiet sweep). None for other drafters."""
-    with_tree = getattr(run.drafter, "with_tree", None)
-    if with_tree is None or run.cfg.method.draft_steps != "one":
+    if not times_pass_per_tree(run.drafter, run.cfg):
         return None
+    with_tree = run.drafter.with_tree
     k = int(run.drafter.max_depth)
     top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
     drafters = {(QPASS_CHAIN, d): with_tree(Tree.chain(d)) for d in range(1, k + 1)}
@@ -1040,10 +1049,10 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no per-size verification timing (a profile of an older calibration)"
     if "loop_verify_sizes" not in profile.extra:
         return "no law of the loop's draft sizes (a profile of an older calibration)"
-    if cfg.method.drafter in PASS_DRAFTERS and "draft_pass_chain_ratios" not in profile.extra:
+    kind = drafter_class(cfg.method.drafter)
+    if times_pass_per_tree(kind, cfg) and "draft_pass_chain_ratios" not in profile.extra:
         return "no timed pass per tree (a profile of an older calibration)"
-    if (hasattr(drafter_class(cfg.method.drafter), "level_step") and cfg.method.draft_steps == "depth"
-            and profile.extra.get("draft_level_timing") != "drafter"):
+    if times_own_level(kind, cfg) and profile.extra.get("draft_level_timing") != "drafter":
         return "draft levels timed on the draft model, not the drafter's own (an older calibration)"
     return missing_self_draft(profile, cfg)
 

@@ -195,9 +195,6 @@ def star_rule(cfg: RunConfig) -> StarRule:
 # (specsim.adaptive_exit, from the calibration's confidence table): counting its early stops as rejections
 # here too would price the exit twice
 LOOP_ACCEPTANCE = frozenset({"lookahead", "prompt_lookup"})
-# one-pass drafters whose pass the calibration times per tree (methods.measurement.calibrate._pass_inputs;
-# draft_pass_scale): Medusa's heads, one per depth
-PASS_DRAFTERS = frozenset({"medusa"})
 
 
 def key_document(cfg: RunConfig) -> dict[str, Any]:
@@ -556,8 +553,8 @@ def loop_verify_s(profile: Profile, n: int, chain: bool = False) -> float | None
     return forward * (1 + excess) + verify_walk_s(profile, n, chain)
 
 
-def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callable[[int], float],
-                   n_tokens: int) -> dict[str, Any]:
+def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callable[[int], float]
+                   ) -> dict[str, Any]:
     """``base`` with its verify priced on the law of the draft's size, E[verify_s(n)], instead of the full
     tree's; τ is the tree's (a short draft is a rejection at its end, as the calibration counted it)."""
     verify = sum(p * float(verify_s(n)) for n, p in law.items())
@@ -596,13 +593,12 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
     sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
-        n = cfg.workload.max_new_tokens
         def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)
             at = loop_verify_s(profile, k, chain=tree.width <= 1)
             return float(measured.time(k)) if at is None else at
 
-        here = _sized_summary(here, sizes, loop, n)
-        preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time, n)
+        here = _sized_summary(here, sizes, loop)
+        preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time)
     return here, preset
 
 
