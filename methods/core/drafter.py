@@ -162,7 +162,9 @@ class Drafter(Protocol):
     method ``level_step(width, context, children, generator) -> Callable[[], None]``: one level of the
     drafter's own drafting fed ``width`` rows after ``context`` committed tokens, choosing ``children``
     children per row, on state of its own (calibration times it per width: methods.measurement.calibrate;
-    draft-model drafters without it are timed on their draft model's forward)."""
+    draft-model drafters without it are timed on their draft model's forward). Optional method
+    ``with_tree(tree) -> Drafter``: the same one-pass drafter on another tree (calibration times its pass per
+    tree: Medusa's heads)."""
 
     needs_hidden_states: bool
 
