@@ -178,18 +178,11 @@ def loop_steps(contexts: Sequence[int], least: int = 16) -> int:
     return max(least, max(contexts) - contexts[0])
 
 
-def time_loop(model: Any, batches: Sequence[int], context: int, steps: int = 16, reps: int = 3,
-              seed: int = 0) -> dict[int, float]:
-    """B → median over ``reps`` runs of the batched decode loop's seconds per step outside the target
-    forward ((total − prefill − forward) / steps, the loop's own timers), decoding autoregressively."""
-    return {b: s.outside_s for b, s in time_ar_loop(model, batches, context, steps, reps, seed).items()}
-
-
 def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[int], context: int,
                     steps: int = 16, reps: int = 3, seed: int = 0) -> dict[int, float]:
     """B → the batched draft step's seconds outside the draft model's forwards: the loop's draft timer per
     step with ``drafter`` (a draft model drafting its tree level by level) less the autoregressive loop's
-    at the same B (the per-row bookkeeping both timers hold, priced by the target's :func:`time_loop`)
+    at the same B (the per-row bookkeeping both timers hold, priced by the target's :func:`time_ar_loop`)
     less the draft model's forwards — timed in the same loop where the batched drafter has an engine (its
     ``extend`` calls), so that the difference holds no load the forwards met, else one forward per level
     as ``fit`` prices it: top-k, catching up with the committed tokens, the draft cache's commit."""
@@ -301,7 +294,7 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
                     ) -> tuple[BatchFit, dict[tuple[int, int, int], float], Path]:
     """Time the grid of ``model`` (``cfg``'s target, or its draft model with ``role="draft"``), fit
     specsim.batch's form to it (its context_tokens: the first of ``contexts``) and the loop's time outside
-    the forwards at the first context — the target's: :func:`time_loop`; the draft's, given the ``target``
+    the forwards at the first context — the target's: :func:`time_ar_loop`; the draft's, given the ``target``
     model and the ``drafter`` on ``model``: :func:`time_draft_loop` — store them; returns (fit, grid,
     path)."""
     grid = time_grid(model, batches, sizes, contexts, reps, warmup, cfg.seed)

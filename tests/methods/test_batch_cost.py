@@ -80,7 +80,8 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
     from methods.drafters.registry import build_drafter
     from specsim.tree import Tree
 
-    loop = batch_cost.time_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
+    ar = batch_cost.time_ar_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
+    loop = {b: s.outside_s for b, s in ar.items()}
     assert set(loop) == {1, 2} and all(t > 0 for t in loop.values())
     cfg = run_config("model=micro", "threads=1", "device=cpu")
     fit, _, path = batch_cost.calibrate_batch(cfg, tiny_models.target, [8], [1, 2, 3], [1, 2, 4], reps=1,
