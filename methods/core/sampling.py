@@ -145,8 +145,9 @@ def draw_candidates(q: Tensor, n: int, mode: str, generator: torch.Generator) ->
     """n candidate children from each row of q (..., V) in a sampled drafting mode: ``with_replacement``
     n i.i.d. draws (all valid), else a draw without replacement (draw_without_replacement: invalid beyond a
     row's support). Returns (..., n) ids and (..., n) bool."""
-    if mode == "with_replacement":
-        idx = torch.multinomial(q, n, replacement=True, generator=generator)
+    if mode == "with_replacement":  # torch.multinomial takes at most 2-D: rows flattened, then restored
+        idx = torch.multinomial(q.reshape(-1, q.shape[-1]), n, replacement=True, generator=generator)
+        idx = idx.view(*q.shape[:-1], n)
         return idx, torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
     return draw_without_replacement(q, min(n, q.shape[-1]), generator)
 

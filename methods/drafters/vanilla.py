@@ -20,7 +20,7 @@ from methods.core.batch_engine import BatchEngine
 from methods.core.drafter import BatchContext, BatchDraft, BatchFeedback, Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
 from methods.core.loop import kept_nodes, subtree
-from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.core.verify import argmax_host
 from specsim.config import MethodConfig, Verifier
 from specsim.tree import Tree
@@ -114,11 +114,8 @@ class DraftModelDrafter:
         else:
             rows_q = probs(logits, self.sampling)  # (P, V)
             q[level.parents] = rows_q
-            if self.mode == "with_replacement":
-                choice = torch.multinomial(rows_q, level.width, replacement=True, generator=generator)
-            else:
-                choice, drawn = draw_without_replacement(rows_q, level.width, generator)
-                valid[level.kids] = drawn[level.rows, level.cols]  # fewer tokens with mass than children
+            choice, drawn = draw_candidates(rows_q, level.width, self.mode, generator)
+            valid[level.kids] = drawn[level.rows, level.cols]  # fewer tokens with mass than children
         tokens[level.kids] = choice[level.rows, level.cols]
 
     def _plan(self, tree: Tree) -> list[_Level]:
@@ -242,13 +239,8 @@ class BatchDraftModel:
         else:
             rows_q = probs(logits, self.one.sampling)  # (B, P, V)
             q[:, level.parents] = rows_q
-            if mode == "with_replacement":
-                flat = rows_q.reshape(-1, rows_q.shape[-1])
-                choice = torch.multinomial(flat, level.width, replacement=True, generator=generator)
-                choice = choice.view(*rows_q.shape[:2], level.width)
-            else:
-                choice, drawn = draw_without_replacement(rows_q, level.width, generator)
-                valid[:, level.kids] = drawn[:, level.rows, level.cols]
+            choice, drawn = draw_candidates(rows_q, level.width, mode, generator)
+            valid[:, level.kids] = drawn[:, level.rows, level.cols]
         tokens[:, level.kids] = choice[:, level.rows, level.cols]
 
     def _rows(self, ctx: BatchContext, tokens: torch.Tensor, q, valid: torch.Tensor) -> BatchDraft:
