@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,16 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
 
         drafter = build_drafter(cfg.method, Tree.chain(int(cfg.tree.gamma)), models, SamplingParams(0.0))
         fit = fit_batch_cost(grid, ctx)
-        loop = time_draft_loop(models.target, drafter, fit, args.batches, ctx, reps=args.reps)
-        ar = {}
+        steps = loop_steps([ctx, *args.contexts])
+        draft = time_draft_loop(models.target, drafter, fit, args.batches, ctx, steps, reps=args.reps)
+        loop, ar = {b: s.beyond_s for b, s in draft.items()}, {}
     else:
         ar = time_ar_loop(model, args.batches, ctx, loop_steps([ctx, *args.contexts]), reps=args.reps)
-        loop = {b: s.outside_s for b, s in ar.items()}
+        loop, draft = {b: s.outside_s for b, s in ar.items()}, {}
     return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
                   "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()],
-                  "loop_forward": [[b, s.forward_s, s.context] for b, s in ar.items()]}
+                  "loop_forward": [[b, s.forward_s, s.context] for b, s in ar.items()],
+                  "draft_loop": [[b, *astuple(s)] for b, s in draft.items()]}
 
 
 def ar_check(args: argparse.Namespace) -> None:
@@ -112,7 +115,8 @@ def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
     return float(np.median(e)), float(e.max())
 
 
-def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None) -> BatchFit:
+def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None,
+           draft: dict | None = None) -> BatchFit:
     from methods.measurement.batch_cost import with_ar, with_loop
     from run import compose_run_config
 
@@ -154,6 +158,17 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dic
             t_fwd = float(fit.time(bb, 1, ref_ctx))
             print(f"  B {bb:3d}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} fitted "
                   f"({tt / t_fwd:.0%} of a 1-token forward)")
+    if draft:
+        print("\nthe speculative step (draft chain) outside its target forward, less the autoregressive "
+              "step's, ms per step: = the draft's forwards at the grid's price + beyond (the fit's loop "
+              "terms) = draft host + the draft's forwards as the loop times them + verification and leaving "
+              "rows")
+        print(f"{'B':>3} {'spec-AR':>8} {'grid fwd':>9} {'beyond':>7} | {'host':>6} {'loop fwd':>9} "
+              f"{'loop/grid':>9} {'verify':>7}")
+        for bb, s in sorted(draft.items()):
+            print(f"{bb:3d} {(s.outside_s - s.ar_outside_s) * 1e3:8.3f} {s.grid_s * 1e3:9.3f} "
+                  f"{s.beyond_s * 1e3:7.3f} | {s.host_s * 1e3:6.3f} {s.forwards_s * 1e3:9.3f} "
+                  f"{s.forwards_s / s.grid_s:9.2f} {s.verify_s * 1e3:7.3f}")
     if ar:
         grid_fit = fit
         fit = with_ar(fit, ar)
@@ -167,8 +182,8 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dic
     return fit
 
 
-def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None
-          ) -> None:
+def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None,
+          draft: dict | None = None) -> None:
     import torch
 
     from methods.measurement.batch_cost import batch_profile_path, save_batch_fit
@@ -178,7 +193,7 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, f
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
                              "device=cpu")
     path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid, loop,
-                          ar)
+                          ar, draft)
     print(f"\nstored: {path}")
 
 
@@ -216,14 +231,15 @@ def main() -> None:
         if args.json:
             rows = [[*k, v] for k, v in sorted(grid.items())]
             Path(args.json).write_text(json.dumps({**doc, "grid": rows}))
-    from methods.measurement.batch_cost import LoopStep
+    from methods.measurement.batch_cost import DraftLoopStep, LoopStep
 
     loop = {int(b): float(t) for b, t in doc.get("loop", [])}
     ar = {int(b): LoopStep(loop.get(int(b), 0.0), float(t), float(c))
           for b, t, c in doc.get("loop_forward", [])}
-    fit = report(grid, args, loop, ar)
+    draft = {int(b): DraftLoopStep(*map(float, rest)) for b, *rest in doc.get("draft_loop", [])}
+    fit = report(grid, args, loop, ar, draft)
     if not args.no_store:
-        store(fit, grid, args, loop, ar)
+        store(fit, grid, args, loop, ar, draft)
 
 
 if __name__ == "__main__":
