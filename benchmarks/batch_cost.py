@@ -12,6 +12,7 @@ roofline.
     python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
     python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
     python benchmarks/batch_cost.py --ar-check 5                     # grid vs loop 1-token forward only
+    python benchmarks/batch_cost.py --draft-check 10                 # draft forwards after the target's
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
 the target also the batched decode loop's autoregressive step at each B (its own timers,
@@ -108,6 +109,36 @@ def ar_check(args: argparse.Namespace) -> None:
     seq = time_consecutive(model, b, at, rounds=max(args.ar_check, 3))
     print(f"B {b}: the 1st..{len(seq)}th 1-token forward in a row after another engine's forward (the grid "
           "times the 2nd), ms: " + " ".join(f"{t * 1e3:.2f}" for t in seq))
+
+
+def draft_check(args: argparse.Namespace) -> None:
+    """The draft model's 1st..4th 1-token forward in a row over B rows after a (γ + 1)-token forward of the
+    target (the batched loop's order: verify, then draft) and after one of the draft model itself (the
+    grid's order), the two interleaved round by round; medians over rounds and the per-round ratio."""
+    import torch
+
+    from methods.measurement.batch_cost import time_consecutive
+    from methods.models import load_models
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    ctx, n, k = min(args.contexts), int(cfg.tree.gamma) + 1, 4
+    print(f"draft model's 1-token forwards in a row (context {ctx}), after a {n}-token forward of the target "
+          f"vs of the draft itself, {args.draft_check} interleaved rounds, ms (median):")
+    print(f"{'B':>3} {'after':>7} " + " ".join(f"{i + 1:>7}" for i in range(k)) + "  1st target/draft")
+    for b in args.batches:
+        runs: dict[str, list[list[float]]] = {"target": [], "draft": []}
+        for r in range(args.draft_check):
+            for name, before in (("target", models.target), ("draft", None)):
+                runs[name].append(time_consecutive(models.draft, b, ctx, k=k, rounds=1, seed=r, before=before,
+                                                   before_n=n))
+        med = {name: np.median(np.array(v), axis=0) for name, v in runs.items()}
+        ratio = statistics.median(x[0] / y[0] for x, y in zip(runs["target"], runs["draft"]))
+        for name in ("target", "draft"):
+            tail = f"  {ratio:.2f}" if name == "target" else ""
+            print(f"{b:3d} {name:>7} " + " ".join(f"{t * 1e3:7.3f}" for t in med[name]) + tail)
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
@@ -217,9 +248,13 @@ def main() -> None:
                     help="time the draft model's forward (its own t(B, n) fit, the vanilla draft step at B)")
     ap.add_argument("--ar-check", type=int, default=0, metavar="N",
                     help="only compare the grid's 1-token forward with the loop's, N interleaved rounds")
+    ap.add_argument("--draft-check", type=int, default=0, metavar="N",
+                    help="only time the draft model's forwards after the target's vs after its own, N rounds")
     args = ap.parse_args()
     if args.ar_check:
         return ar_check(args)
+    if args.draft_check:
+        return draft_check(args)
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         grid = {(int(b), int(n), int(c)): float(t) for b, n, c, t in doc["grid"]}

@@ -89,19 +89,22 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
-def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0
-                     ) -> list[float]:
+def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0,
+                     before: Any = None, before_n: int = 32) -> list[float]:
     """Seconds of the 1st..k-th 1-token forward in a row over ``batch`` rows of ``context`` cached tokens,
-    each run of k after a 32-token forward of another engine (what the grid's rotation does between cells),
-    median per position over ``rounds``: whether the grid's one untimed forward before the timed one
-    reaches the steady state of a decode loop's back-to-back steps."""
+    each run of k after a ``before_n``-token forward of another engine (what the grid's rotation does
+    between cells), median per position over ``rounds``: whether the grid's one untimed forward before the
+    timed one reaches the steady state of a decode loop's back-to-back steps. ``before``: that other
+    engine's model (default ``model``); the target before its draft model is the batched loop's order."""
     from specsim.tree import Tree
 
-    engine, other = _engine(model, batch, context, 1, seed), _engine(model, batch, context, 32, seed + 1)
+    other_model = model if before is None else before
+    engine = _engine(model, batch, context, 1, seed)
+    other = _engine(other_model, batch, context, before_n, seed + 1)
     g = torch.Generator().manual_seed(seed + 3)
-    vocab = int(model.config.vocab_size)
-    x, x_other = (torch.randint(0, vocab, (batch, n), generator=g) for n in (1, 32))
-    one, chain = [Tree.chain(0)], [Tree.chain(31)]
+    x = torch.randint(0, int(model.config.vocab_size), (batch, 1), generator=g)
+    x_other = torch.randint(0, int(other_model.config.vocab_size), (batch, before_n), generator=g)
+    one, chain = [Tree.chain(0)], [Tree.chain(before_n - 1)]
     times = np.zeros((rounds, k))
     for r in range(rounds):
         other.forward_trees(x_other, chain)

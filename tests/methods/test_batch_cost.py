@@ -172,6 +172,13 @@ def test_time_consecutive_times_each_forward_of_a_run(tiny_target):
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
+def test_time_consecutive_runs_the_draft_model_after_the_targets_forward(tiny_models):
+    """--draft-check's order: a (γ + 1)-token forward of the target, then the draft model's forwards."""
+    times = batch_cost.time_consecutive(tiny_models.draft, 2, 8, k=2, rounds=1, before=tiny_models.target,
+                                        before_n=3)
+    assert len(times) == 2 and all(t > 0 for t in times)
+
+
 def test_the_calibration_loop_runs_across_the_grids_contexts():
     assert batch_cost.loop_steps([128, 192]) == 64  # the code workload: prompt 128, 64 new tokens
     assert batch_cost.loop_steps([128]) == 16 and batch_cost.loop_steps([8, 12]) == 16
