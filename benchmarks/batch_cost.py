@@ -18,7 +18,11 @@ Timings: the batched engine's verify forward (methods.core.batch_engine), chains
 the target also the batched decode loop's autoregressive step at each B (its own timers,
 methods.measurement.batch_cost.time_ar_loop): its time outside the forward, which the simulator adds to
 every batched step, and its 1-token forward, which prices the autoregressive step (printed beside the grid's
-fit at the same B and context). ``--ar-check N``: only that comparison, N rounds of the grid's 1-token cells
+fit at the same B and context); for the draft model (``--draft``) the loop run speculatively with its
+chain against the autoregressive loop (time_draft_loop): what the speculative step costs outside its target
+forward beyond the autoregressive step's and the draft's forwards at the grid's price prices the draft
+step at B (the split printed). ``--draft-check N``: only the draft's forwards after a target forward vs
+after its own. ``--ar-check N``: only that comparison, N rounds of the grid's 1-token cells
 (its procedure: an untimed forward, then the timed one) and the loop, interleaved round by round.
 """
 
