@@ -22,7 +22,7 @@ fit at the same B and context); for the draft model (``--draft``) the loop run s
 chain against the autoregressive loop (time_draft_loop): what the speculative step costs outside its target
 forward beyond the autoregressive step's and the draft's forwards at the grid's price prices the draft
 step at B (the split printed). ``--draft-check N``: only the draft's forwards after a target forward vs
-after its own. ``--ar-check N``: only that comparison, N rounds of the grid's 1-token cells
+after its own. ``--ar-check N``: only the grid's 1-token forward against the loop's, N rounds of its cells
 (its procedure: an untimed forward, then the timed one) and the loop, interleaved round by round.
 """
 
