@@ -13,6 +13,7 @@ roofline.
     python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
     python benchmarks/batch_cost.py --ar-check 5                     # grid vs loop 1-token forward only
     python benchmarks/batch_cost.py --draft-check 10                 # draft forwards after the target's
+    python benchmarks/batch_cost.py --tree-check 5                   # grid vs loop speculative forward
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
 the target also the batched decode loop's autoregressive step at each B (its own timers,
@@ -145,6 +146,50 @@ def draft_check(args: argparse.Namespace) -> None:
             print(f"{b:3d} {name:>7} " + " ".join(f"{t * 1e3:7.3f}" for t in med[name]) + tail)
 
 
+def tree_check(args: argparse.Namespace) -> None:
+    """The grid's forward of a (γ + 1)-node chain per row (time_grid's procedure, at the loop's mean
+    context) and the batched loop's speculative step's target forward (time_draft_loop, prompts of the
+    first context, the draft model's chain), interleaved round by round: per B the medians over rounds and
+    of the per-round ratio; the autoregressive step's 1-token forward beside it (the grid's cell against
+    the loop's, which prices it), so that the two can be read as a ratio under the same load."""
+    import torch
+
+    from methods.core.sampling import SamplingParams
+    from methods.drafters.registry import build_drafter
+    from methods.measurement.batch_cost import time_ar_loop, time_draft_loop, time_grid
+    from methods.models import load_models
+    from run import compose_run_config
+    from specsim.batch import BatchFit
+    from specsim.tree import Tree
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    n = int(cfg.tree.gamma) + 1
+    drafter = build_drafter(cfg.method, Tree.chain(n - 1), models, SamplingParams(0.0))
+    ctx, steps = min(args.contexts), 64
+    at = ctx + steps // 2  # about the loop's mean cached tokens per row (both loops: 64 new tokens)
+    price = BatchFit(0.0, 0.0, 0.0, 0.0, 0.0, ctx)  # the draft's grid price is not read here
+    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(args.tree_check):
+        g = time_grid(models.target, args.batches, [1, n], [at], reps=3, warmup=1, seed=r)
+        spec = time_draft_loop(models.target, drafter, price, args.batches, ctx, steps, reps=1, seed=r)
+        ar = time_ar_loop(models.target, args.batches, ctx, steps, reps=1, seed=r)
+        for b in args.batches:
+            cells.setdefault(("tree", b), []).append((g[(b, n, at)], spec[b].verify_forward_s))
+            cells.setdefault(("1-token", b), []).append((g[(b, 1, at)], ar[b].forward_s))
+    print(f"target forward, grid (context {at}) vs the loop's (context {ctx}..{ctx + steps}), "
+          f"{args.tree_check} rounds, ms (median):")
+    print(f"{'B':>3} {'forward':>8} {'grid':>8} {'loop':>8} {'grid/loop':>10}  per round")
+    for b in args.batches:
+        for kind in (f"{n}-node", "1-token"):
+            v = cells[("tree" if kind != "1-token" else kind, b)]
+            ratios = [x / y for x, y in v]
+            print(f"{b:3d} {kind:>8} {statistics.median(x for x, _ in v) * 1e3:8.3f} "
+                  f"{statistics.median(y for _, y in v) * 1e3:8.3f} {statistics.median(ratios):10.3f}  "
+                  + " ".join(f"{x:.2f}" for x in ratios))
+
+
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
     e = np.abs(pred / meas - 1)
     return float(np.median(e)), float(e.max())
@@ -254,9 +299,14 @@ def main() -> None:
                     help="only compare the grid's 1-token forward with the loop's, N interleaved rounds")
     ap.add_argument("--draft-check", type=int, default=0, metavar="N",
                     help="only time the draft model's forwards after the target's vs after its own, N rounds")
+    ap.add_argument("--tree-check", type=int, default=0, metavar="N",
+                    help="only compare the grid's (gamma + 1)-node forward with the loop's speculative one, "
+                    "and the 1-token forwards beside, N interleaved rounds")
     args = ap.parse_args()
     if args.ar_check:
         return ar_check(args)
+    if args.tree_check:
+        return tree_check(args)
     if args.draft_check:
         return draft_check(args)
     if args.from_json:

@@ -208,6 +208,7 @@ class DraftLoopStep:
     grid_s: float  # the same forwards priced by the draft's grid fit
     ar_outside_s: float  # the autoregressive step's outside, and its draft timer
     ar_draft_s: float
+    verify_forward_s: float = 0.0  # the speculative step's target forward (a chain of γ + 1 per row)
 
     @classmethod
     def of(cls, spec: Sequence[Any], ar: Sequence[Any], forwards: Sequence[tuple[float, float]]
@@ -218,7 +219,8 @@ class DraftLoopStep:
         fwd = statistics.median(f / r.n_steps for (f, _), r in zip(forwards, spec))
         grid = statistics.median(g / r.n_steps for (_, g), r in zip(forwards, spec))
         return cls(_per_step(spec, _outside), _per_step(spec, draft_timer), fwd, grid,
-                   _per_step(ar, _outside), _per_step(ar, draft_timer))
+                   _per_step(ar, _outside), _per_step(ar, draft_timer),
+                   _per_step(spec, lambda r: r.time_forward_s))
 
     @property
     def beyond_s(self) -> float:

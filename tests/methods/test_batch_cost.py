@@ -100,7 +100,7 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
                                                 target=tiny_models.target, drafter=drafter)
     assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit
     doc = json.loads(dpath.read_text())
-    assert [row[0] for row in doc["draft_loop"]] == [1, 2, 3] and all(len(r) == 7 for r in doc["draft_loop"])
+    assert [row[0] for row in doc["draft_loop"]] == [1, 2, 3] and all(len(r) == 8 for r in doc["draft_loop"])
 
 
 def _run(steps: int, outside_ms: float, draft_ms: float, forward_ms: float = 5.0) -> SimpleNamespace:
@@ -125,6 +125,7 @@ def test_the_draft_fits_loop_terms_carry_what_the_speculative_step_costs_beyond_
         steps[b] = batch_cost.DraftLoopStep.of(spec, ar, [(forwards_ms[b] * 20e-3, grid_ms[b] * 20e-3)])
     s = steps[32]
     assert s.forwards_s == pytest.approx(6.92e-3) and s.grid_s == pytest.approx(3.2e-3)
+    assert s.verify_forward_s == pytest.approx(5e-3)  # the target's forward, not in the step's outside
     assert s.host_s == pytest.approx(0.45e-3)  # the draft timer less its forwards and the AR step's
     assert s.verify_s == pytest.approx((0.3 + 0.07 * 32 - 0.05 - 0.01 * 32) * 1e-3)
     assert s.beyond_s == pytest.approx(s.outside_s - s.ar_outside_s - s.grid_s)
