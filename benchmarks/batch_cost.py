@@ -12,12 +12,18 @@ roofline.
     python benchmarks/batch_cost.py --from-json out.json             # re-fit and print, no timing
     python benchmarks/batch_cost.py --draft                          # the draft model's own t(B, n)
     python benchmarks/batch_cost.py --ar-check 5                     # grid vs loop 1-token forward only
+    python benchmarks/batch_cost.py --draft-check 10                 # draft forwards after the target's
+    python benchmarks/batch_cost.py --tree-check 5                   # grid vs loop speculative forward
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
 the target also the batched decode loop's autoregressive step at each B (its own timers,
 methods.measurement.batch_cost.time_ar_loop): its time outside the forward, which the simulator adds to
 every batched step, and its 1-token forward, which prices the autoregressive step (printed beside the grid's
-fit at the same B and context). ``--ar-check N``: only that comparison, N rounds of the grid's 1-token cells
+fit at the same B and context); for the draft model (``--draft``) the loop run speculatively with its
+chain against the autoregressive loop (time_draft_loop): what the speculative step costs outside its target
+forward beyond the autoregressive step's and the draft's forwards at the grid's price prices the draft
+step at B (the split printed). ``--draft-check N``: only the draft's forwards after a target forward vs
+after its own. ``--ar-check N``: only the grid's 1-token forward against the loop's, N rounds of its cells
 (its procedure: an untimed forward, then the timed one) and the loop, interleaved round by round.
 """
 
@@ -27,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +69,16 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
 
         drafter = build_drafter(cfg.method, Tree.chain(int(cfg.tree.gamma)), models, SamplingParams(0.0))
         fit = fit_batch_cost(grid, ctx)
-        loop = time_draft_loop(models.target, drafter, fit, args.batches, ctx, reps=args.reps)
-        ar = {}
+        steps = loop_steps([ctx, *args.contexts])
+        draft = time_draft_loop(models.target, drafter, fit, args.batches, ctx, steps, reps=args.reps)
+        loop, ar = {b: s.beyond_s for b, s in draft.items()}, {}
     else:
         ar = time_ar_loop(model, args.batches, ctx, loop_steps([ctx, *args.contexts]), reps=args.reps)
-        loop = {b: s.outside_s for b, s in ar.items()}
+        loop, draft = {b: s.outside_s for b, s in ar.items()}, {}
     return grid, {"model": args.model, "dtype": args.dtype, "threads": args.threads, "stat": args.stat,
                   "role": "draft" if args.draft else "target", "loop": [[b, t] for b, t in loop.items()],
-                  "loop_forward": [[b, s.forward_s, s.context] for b, s in ar.items()]}
+                  "loop_forward": [[b, s.forward_s, s.context] for b, s in ar.items()],
+                  "draft_loop": [[b, *astuple(s)] for b, s in draft.items()]}
 
 
 def ar_check(args: argparse.Namespace) -> None:
@@ -107,12 +116,87 @@ def ar_check(args: argparse.Namespace) -> None:
           "times the 2nd), ms: " + " ".join(f"{t * 1e3:.2f}" for t in seq))
 
 
+def draft_check(args: argparse.Namespace) -> None:
+    """The draft model's 1st..4th 1-token forward in a row over B rows after a (γ + 1)-token forward of the
+    target (the batched loop's order: verify, then draft) and after one of the draft model itself (the
+    grid's order), the two interleaved round by round; medians over rounds and the per-round ratio."""
+    import torch
+
+    from methods.measurement.batch_cost import time_consecutive
+    from methods.models import load_models
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    ctx, n, k = min(args.contexts), int(cfg.tree.gamma) + 1, 4
+    print(f"draft model's 1-token forwards in a row (context {ctx}), after a {n}-token forward of the target "
+          f"vs of the draft itself, {args.draft_check} interleaved rounds, ms (median):")
+    print(f"{'B':>3} {'after':>7} " + " ".join(f"{i + 1:>7}" for i in range(k)) + "  1st target/draft")
+    for b in args.batches:
+        runs: dict[str, list[list[float]]] = {"target": [], "draft": []}
+        for r in range(args.draft_check):
+            for name, before in (("target", models.target), ("draft", None)):
+                runs[name].append(time_consecutive(models.draft, b, ctx, k=k, rounds=1, seed=r, before=before,
+                                                   before_n=n))
+        med = {name: np.median(np.array(v), axis=0) for name, v in runs.items()}
+        ratio = statistics.median(x[0] / y[0] for x, y in zip(runs["target"], runs["draft"]))
+        for name in ("target", "draft"):
+            tail = f"  {ratio:.2f}" if name == "target" else ""
+            print(f"{b:3d} {name:>7} " + " ".join(f"{t * 1e3:7.3f}" for t in med[name]) + tail)
+
+
+def tree_check(args: argparse.Namespace) -> None:
+    """The grid's forward of a (γ + 1)-node chain per row (time_grid's procedure, at the loop's mean
+    context) and the batched loop's speculative step's target forward (time_draft_loop, prompts of the
+    first context, the draft model's chain), interleaved round by round: per B the medians over rounds and
+    of the per-round ratio; the autoregressive step's 1-token forward beside it (the grid's cell against
+    the loop's, which prices it), so that the two can be read as a ratio under the same load."""
+    import torch
+
+    from methods.core.sampling import SamplingParams
+    from methods.drafters.registry import build_drafter
+    from methods.measurement.batch_cost import time_ar_loop, time_draft_loop, time_grid
+    from methods.models import load_models
+    from run import compose_run_config
+    from specsim.batch import BatchFit
+    from specsim.tree import Tree
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    n = int(cfg.tree.gamma) + 1
+    drafter = build_drafter(cfg.method, Tree.chain(n - 1), models, SamplingParams(0.0))
+    ctx, steps = min(args.contexts), 64
+    at = ctx + steps // 2  # about the loop's mean cached tokens per row (both loops: 64 new tokens)
+    price = BatchFit(0.0, 0.0, 0.0, 0.0, 0.0, ctx)  # the draft's grid price is not read here
+    cells: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in range(args.tree_check):
+        g = time_grid(models.target, args.batches, [1, n], [at], reps=3, warmup=1, seed=r)
+        spec = time_draft_loop(models.target, drafter, price, args.batches, ctx, steps, reps=1, seed=r)
+        ar = time_ar_loop(models.target, args.batches, ctx, steps, reps=1, seed=r)
+        for b in args.batches:
+            cells.setdefault(("tree", b), []).append((g[(b, n, at)], spec[b].verify_forward_s))
+            cells.setdefault(("1-token", b), []).append((g[(b, 1, at)], ar[b].forward_s))
+    print(f"target forward, grid (context {at}) vs the loop's (context {ctx}..{ctx + steps}), "
+          f"{args.tree_check} rounds, ms (median):")
+    print(f"{'B':>3} {'forward':>8} {'grid':>8} {'loop':>8} {'grid/loop':>10}  per round")
+    for b in args.batches:
+        for kind in (f"{n}-node", "1-token"):
+            v = cells[("tree" if kind != "1-token" else kind, b)]
+            ratios = [x / y for x, y in v]
+            print(f"{b:3d} {kind:>8} {statistics.median(x for x, _ in v) * 1e3:8.3f} "
+                  f"{statistics.median(y for _, y in v) * 1e3:8.3f} {statistics.median(ratios):10.3f}  "
+                  + " ".join(f"{x:.2f}" for x in ratios))
+
+
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
     e = np.abs(pred / meas - 1)
     return float(np.median(e)), float(e.max())
 
 
-def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None) -> BatchFit:
+def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None,
+           draft: dict | None = None) -> BatchFit:
     from methods.measurement.batch_cost import with_ar, with_loop
     from run import compose_run_config
 
@@ -154,6 +238,17 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dic
             t_fwd = float(fit.time(bb, 1, ref_ctx))
             print(f"  B {bb:3d}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} fitted "
                   f"({tt / t_fwd:.0%} of a 1-token forward)")
+    if draft:
+        print("\nthe speculative step (draft chain) outside its target forward, less the autoregressive "
+              "step's, ms per step: = the draft's forwards at the grid's price + beyond (the fit's loop "
+              "terms) = draft host + the draft's forwards as the loop times them + verification and leaving "
+              "rows")
+        print(f"{'B':>3} {'spec-AR':>8} {'grid fwd':>9} {'beyond':>7} | {'host':>6} {'loop fwd':>9} "
+              f"{'loop/grid':>9} {'verify':>7}")
+        for bb, s in sorted(draft.items()):
+            print(f"{bb:3d} {(s.outside_s - s.ar_outside_s) * 1e3:8.3f} {s.grid_s * 1e3:9.3f} "
+                  f"{s.beyond_s * 1e3:7.3f} | {s.host_s * 1e3:6.3f} {s.forwards_s * 1e3:9.3f} "
+                  f"{s.forwards_s / s.grid_s:9.2f} {s.verify_s * 1e3:7.3f}")
     if ar:
         grid_fit = fit
         fit = with_ar(fit, ar)
@@ -167,8 +262,8 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dic
     return fit
 
 
-def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None
-          ) -> None:
+def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dict | None = None,
+          draft: dict | None = None) -> None:
     import torch
 
     from methods.measurement.batch_cost import batch_profile_path, save_batch_fit
@@ -178,7 +273,7 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, f
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
                              "device=cpu")
     path = save_batch_fit(fit, batch_profile_path(cfg, role="draft" if args.draft else "target"), grid, loop,
-                          ar)
+                          ar, draft)
     print(f"\nstored: {path}")
 
 
@@ -202,9 +297,18 @@ def main() -> None:
                     help="time the draft model's forward (its own t(B, n) fit, the vanilla draft step at B)")
     ap.add_argument("--ar-check", type=int, default=0, metavar="N",
                     help="only compare the grid's 1-token forward with the loop's, N interleaved rounds")
+    ap.add_argument("--draft-check", type=int, default=0, metavar="N",
+                    help="only time the draft model's forwards after the target's vs after its own, N rounds")
+    ap.add_argument("--tree-check", type=int, default=0, metavar="N",
+                    help="only compare the grid's (gamma + 1)-node forward with the loop's speculative one, "
+                    "and the 1-token forwards beside, N interleaved rounds")
     args = ap.parse_args()
     if args.ar_check:
         return ar_check(args)
+    if args.tree_check:
+        return tree_check(args)
+    if args.draft_check:
+        return draft_check(args)
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         grid = {(int(b), int(n), int(c)): float(t) for b, n, c, t in doc["grid"]}
@@ -216,14 +320,15 @@ def main() -> None:
         if args.json:
             rows = [[*k, v] for k, v in sorted(grid.items())]
             Path(args.json).write_text(json.dumps({**doc, "grid": rows}))
-    from methods.measurement.batch_cost import LoopStep
+    from methods.measurement.batch_cost import DraftLoopStep, LoopStep
 
     loop = {int(b): float(t) for b, t in doc.get("loop", [])}
     ar = {int(b): LoopStep(loop.get(int(b), 0.0), float(t), float(c))
           for b, t, c in doc.get("loop_forward", [])}
-    fit = report(grid, args, loop, ar)
+    draft = {int(b): DraftLoopStep(*map(float, rest)) for b, *rest in doc.get("draft_loop", [])}
+    fit = report(grid, args, loop, ar, draft)
     if not args.no_store:
-        store(fit, grid, args, loop, ar)
+        store(fit, grid, args, loop, ar, draft)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,11 @@ On a measured device (a profile and a fit, :class:`BatchedLoop`) a step at B ≥
 loop runs it — another engine than the one-sequence loop the profile timed: the batched engine's forward
 fit(B, n) at the workload's context, plus the batched loop's own work outside the forward (timed by running
 it: loop0 + loop_row · B), plus, for a draft model with a fit of its own, one draft forward of B rows per
-tree level. B = 1 stays the profile's one-sequence step (task=measure decodes a batch of one alone).
+tree level and the draft fit's loop terms: what the loop's speculative step, timed with that draft model,
+costs beyond the autoregressive step and beyond its draft forwards at the grid's price (the draft's host
+work, its first forwards after the target's finding its weights and KV evicted, the verification of B
+trees and the rows leaving at different steps). B = 1 stays the profile's one-sequence step
+(task=measure decodes a batch of one alone).
 The autoregressive step's 1-token forward, where the fit has it (``ar_context`` > 0), is the loop's own
 timed forward (ar0 + ar_row · B at ar_context cached tokens, kv · B per token beyond), not the grid's.
 """
@@ -46,8 +50,9 @@ import numpy as np
 from specsim.config import HardwareConfig, RunConfig
 from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
 
-BATCH_FIT_FORMAT = 3  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
-# 1-token forward as the loop runs it)
+BATCH_FIT_FORMAT = 4  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
+# 1-token forward as the loop runs it; 4: a draft fit's loop terms = its speculative step beyond the AR step
+# and its forwards at the grid's price)
 BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
 MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
 
@@ -144,7 +149,9 @@ class BatchFit:
     rel_error_median: float = 0.0  # of the fit over the grid it was fitted to
     rel_error_max: float = 0.0
     # the batched decode loop's work per step outside the forward (verification, commit, per-row host
-    # bookkeeping), timed by running the loop autoregressively: loop0 + loop_row · B seconds
+    # bookkeeping), timed by running the loop autoregressively: loop0 + loop_row · B seconds; in a draft
+    # model's fit, what the loop's speculative step costs beyond the autoregressive step's and the draft's
+    # forwards at this fit's price (methods.measurement.batch_cost.DraftLoopStep.beyond_s)
     loop0: float = 0.0
     loop_row: float = 0.0
     kv_tree: float | None = None  # per row and cached token in a forward of n >= 2 tokens (None: kv)
@@ -309,7 +316,8 @@ class BatchCostModel:
         if d.model is not None and isinstance(self.draft, BatchRoofline):
             draft = replace(d, model=AtBatch(self.draft, int(batch), "roofline"))
         elif self.draft_forwards(batch):  # the draft model's batched forward, one per tree level
-            # plus its step's measured work outside them (the draft fit's loop terms), per step
+            # plus what the loop's speculative step costs beyond them and the AR step (the draft fit's loop
+            # terms, methods.measurement.batch_cost.time_draft_loop), per step
             tb1 = float(self.target.time(batch, 1))
             fixed = (d.fixed_ratio * float(self.target.time(1, 1)) + self.draft.loop_time(batch)) / tb1
             draft = replace(d, model=AtBatch(self.draft, int(batch), "draft fit"), ratio=0.0,

@@ -8,7 +8,9 @@ mask differs), and the nodes are dropped after each forward, so every repetition
 The batched decode loop's own work per step outside the forward (verification, commit, per-row host
 bookkeeping) is timed by running that loop (methods.core.batch_loop.decode_batch, autoregressively) at each
 B and read from its timers (:func:`time_ar_loop`); loop0 + loop_row · B is fitted to it (:func:`fit_loop`),
-and the same run's 1-token forwards price the autoregressive step's forward (:func:`with_ar`).
+and the same run's 1-token forwards price the autoregressive step's forward (:func:`with_ar`). The draft
+model's fit gets its loop terms from the same loop run speculatively with it (:func:`time_draft_loop`): what
+that step costs beyond the autoregressive step and beyond the draft's forwards at its grid's price.
 The fitted coefficients are stored next to the device profiles (<cache>/profiles/batch-<key>.json),
 keyed by the target model, device, threads and torch version (:func:`batch_key`), with their own format
 number: the single-row profile format is unchanged.
@@ -21,7 +23,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +89,22 @@ def time_grid(model: Any, batches: Sequence[int], sizes: Sequence[int], contexts
     return {cell: stat(v) for cell, v in times.items()}
 
 
-def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0
-                     ) -> list[float]:
+def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: int = 10, seed: int = 0,
+                     before: Any = None, before_n: int = 32) -> list[float]:
     """Seconds of the 1st..k-th 1-token forward in a row over ``batch`` rows of ``context`` cached tokens,
-    each run of k after a 32-token forward of another engine (what the grid's rotation does between cells),
-    median per position over ``rounds``: whether the grid's one untimed forward before the timed one
-    reaches the steady state of a decode loop's back-to-back steps."""
+    each run of k after a ``before_n``-token forward of another engine (what the grid's rotation does
+    between cells), median per position over ``rounds``: whether the grid's one untimed forward before the
+    timed one reaches the steady state of a decode loop's back-to-back steps. ``before``: that other
+    engine's model (default ``model``); the target before its draft model is the batched loop's order."""
     from specsim.tree import Tree
 
-    engine, other = _engine(model, batch, context, 1, seed), _engine(model, batch, context, 32, seed + 1)
+    other_model = model if before is None else before
+    engine = _engine(model, batch, context, 1, seed)
+    other = _engine(other_model, batch, context, before_n, seed + 1)
     g = torch.Generator().manual_seed(seed + 3)
-    vocab = int(model.config.vocab_size)
-    x, x_other = (torch.randint(0, vocab, (batch, n), generator=g) for n in (1, 32))
-    one, chain = [Tree.chain(0)], [Tree.chain(31)]
+    x = torch.randint(0, int(model.config.vocab_size), (batch, 1), generator=g)
+    x_other = torch.randint(0, int(other_model.config.vocab_size), (batch, before_n), generator=g)
+    one, chain = [Tree.chain(0)], [Tree.chain(before_n - 1)]
     times = np.zeros((rounds, k))
     for r in range(rounds):
         other.forward_trees(x_other, chain)
@@ -113,10 +118,12 @@ def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: i
 
 
 def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Sequence[int], context: int,
-                steps: int, reps: int, seed: int) -> dict[tuple[str, int], list[Any]]:
+                steps: int, reps: int, seed: int, on_run: Callable[[str, int], None] | None = None
+                ) -> dict[tuple[str, int], list[Any]]:
     """(side, B) → the BatchResults of ``reps`` runs of the batched decode loop on ``model`` (the first round
     warms up): B random prompts of ``context`` tokens decoded ``steps`` tokens each (no EOS) by each side
-    (name → its batched drafter at B rows), sides and batches interleaved round by round."""
+    (name → its batched drafter at B rows), sides and batches interleaved round by round. ``on_run(side, B)``
+    is called after every run, the warm-up's first."""
     from methods.core.batch_engine import BatchEngine
     from methods.core.batch_loop import decode_batch
     from methods.core.loop import DecodeOptions
@@ -131,12 +138,14 @@ def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Seq
     for r in range(reps + 1):
         for (name, b), side in drafters.items():
             res = decode_batch(engines[b], side, prompts[b], opts, torch.Generator())
+            if on_run is not None:
+                on_run(name, b)
             if r:
                 out[(name, b)].append(res)
     return out
 
 
-def _per_step(results: list[Any], seconds: Callable[[Any], float]) -> float:
+def _per_step(results: Sequence[Any], seconds: Callable[[Any], float]) -> float:
     return statistics.median(seconds(r) / r.n_steps for r in results)
 
 
@@ -178,49 +187,101 @@ def loop_steps(contexts: Sequence[int], least: int = 16) -> int:
     return max(least, max(contexts) - contexts[0])
 
 
+@dataclass(frozen=True)
+class DraftLoopStep:
+    """The batched loop's speculative step with a draft model at one B against its autoregressive step at the
+    same B (same loop, interleaved), seconds per step, medians over runs. ``beyond_s`` is what the draft fit's
+    loop terms price (the speculative step outside its target forward = the autoregressive step's outside +
+    the draft's forwards at the grid's price + ``beyond_s``); the rest splits it for the reader:
+
+    - ``host_s``: the draft timer less the draft's forwards less the autoregressive step's draft timer (top-k,
+      the catch-up's inputs, the draft cache's commit);
+    - ``forwards_s`` against ``grid_s``: the draft's forwards as the loop times them and as the draft's grid
+      fit prices the same calls (rows, width, cached tokens): the first forwards after a target forward find
+      the draft's weights and KV evicted (at B = 32 the catch-up took ~1.9x the grid's back-to-back forward);
+    - ``verify_s``: the step's time outside its forward and its draft timer, less the autoregressive step's
+      (verifying B trees, rows leaving at different steps: their KV moved into the freed slots)."""
+
+    outside_s: float  # the speculative step: total − prefill − target forward
+    draft_s: float  # its draft timer (propose + feedback)
+    forwards_s: float  # the draft model's forwards in it
+    grid_s: float  # the same forwards priced by the draft's grid fit
+    ar_outside_s: float  # the autoregressive step's outside, and its draft timer
+    ar_draft_s: float
+    verify_forward_s: float = 0.0  # the speculative step's target forward (a chain of γ + 1 per row)
+
+    @classmethod
+    def of(cls, spec: Sequence[Any], ar: Sequence[Any], forwards: Sequence[tuple[float, float]]
+           ) -> DraftLoopStep:
+        """Medians per step over the speculative runs ``spec`` (BatchResults), their draft forwards
+        (``forwards``: per run, (seconds timed, grid price)) and the autoregressive runs ``ar``."""
+        draft_timer = lambda r: r.time_draft_s  # noqa: E731
+        fwd = statistics.median(f / r.n_steps for (f, _), r in zip(forwards, spec))
+        grid = statistics.median(g / r.n_steps for (_, g), r in zip(forwards, spec))
+        return cls(_per_step(spec, _outside), _per_step(spec, draft_timer), fwd, grid,
+                   _per_step(ar, _outside), _per_step(ar, draft_timer),
+                   _per_step(spec, lambda r: r.time_forward_s))
+
+    @property
+    def beyond_s(self) -> float:
+        return self.outside_s - self.ar_outside_s - self.grid_s
+
+    @property
+    def host_s(self) -> float:
+        return self.draft_s - self.forwards_s - self.ar_draft_s
+
+    @property
+    def verify_s(self) -> float:
+        return (self.outside_s - self.draft_s) - (self.ar_outside_s - self.ar_draft_s)
+
+
 def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[int], context: int,
-                    steps: int = 16, reps: int = 3, seed: int = 0) -> dict[int, float]:
-    """B → the batched draft step's seconds outside the draft model's forwards: the loop's draft timer per
-    step with ``drafter`` (a draft model drafting its tree level by level) less the autoregressive loop's
-    at the same B (the per-row bookkeeping both timers hold, priced by the target's :func:`time_ar_loop`)
-    less the draft model's forwards — timed in the same loop where the batched drafter has an engine (its
-    ``extend`` calls), so that the difference holds no load the forwards met, else one forward per level
-    as ``fit`` prices it: top-k, catching up with the committed tokens, the draft cache's commit."""
+                    steps: int = 16, reps: int = 3, seed: int = 0) -> dict[int, DraftLoopStep]:
+    """B → the batched loop's speculative step with ``drafter`` (a draft model drafting its tree level by
+    level on its own batched engine) against the autoregressive step, both run in one loop and timed by its
+    timers (:class:`DraftLoopStep`); the draft's forwards (its engine's ``extend`` calls) are timed there
+    and priced by ``fit`` (the draft's grid fit) call by call at the rows, width and cached tokens each ran
+    with, as the simulator prices a level: the catch-up forward (the committed tokens the draft cache lacks,
+    its root last; ``extend(last=)``) at 1 token, the first level's root — its extra accepted token, which
+    rows need when they accepted the whole chain, is the loop's, in ``beyond_s``. Priced from the loop
+    rather than from the grid alone: the grid times a forward after an untimed copy of itself, the loop
+    after the target's forward, whose weights and KV evict the draft's."""
     from methods.core.batch_drafter import batched
     from methods.drafters.autoregressive import Autoregressive
 
-    forwards: dict[int, list[float]] = {}  # B → seconds in the draft's forwards, over every round
+    acc: dict[int, list[float]] = {}  # B → [seconds in the draft's forwards, their grid price] this run
+    per_run: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}  # B → acc of each run
 
     def draft_side(b: int) -> Any:
         side = batched(drafter, b)
-        engine = getattr(side, "engine", None)
-        if engine is not None:
-            forwards[b] = [0.0]
-            inner = engine.extend
+        engine = side.engine  # the draft model's BatchEngine: a drafter without one is not a draft model
+        acc[b] = [0.0, 0.0]
+        inner = engine.extend
 
-            def extend(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                out = inner(*args, **kwargs)
-                forwards[b][0] += time.perf_counter() - t0
-                return out
+        def extend(tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rows, n = tokens.shape
+            n = 1 if kwargs.get("last") is not None else n  # the catch-up: its tree level's 1 fed token
+            cached = statistics.fmean(engine.lengths[:rows]) + engine.pending
+            t0 = time.perf_counter()
+            out = inner(tokens, *args, **kwargs)
+            acc[b][0] += time.perf_counter() - t0
+            acc[b][1] += float(fit.time(rows, n, cached))
+            return out
 
-            engine.extend = extend  # this instance only: a timer around the draft's forwards
+        engine.extend = extend  # this instance only: a timer around the draft's forwards
         return side
 
+    def probe(name: str, b: int) -> None:
+        if name == "draft":
+            per_run[b].append((acc[b][0], acc[b][1]))
+            acc[b] = [0.0, 0.0]
+
     sides = {"ar": lambda b: batched(Autoregressive(), b), "draft": draft_side}
-    runs = _loop_steps(target, sides, batches, context, steps, reps, seed)
-    widths = drafter.tree.level_sizes()[: drafter.tree.depth]
+    runs = _loop_steps(target, sides, batches, context, steps, reps, seed, on_run=probe)
     out = {}
     for b in batches:
-        draft_runs = runs[("draft", b)]
-        draft = _per_step(draft_runs, lambda r: r.time_draft_s)
-        ar = _per_step(runs[("ar", b)], lambda r: r.time_draft_s)
-        if b in forwards:  # every round ran the same steps: the warm-up round's share taken out
-            total_steps = sum(r.n_steps for r in draft_runs) * (reps + 1) / reps
-            fwd = forwards[b][0] / total_steps
-        else:
-            fwd = float(sum(fit.time(b, int(w), context) for w in widths))
-        out[b] = draft - ar - fwd
+        # the warm-up run's forwards left out, as _loop_steps leaves out its result
+        out[b] = DraftLoopStep.of(runs[("draft", b)], runs[("ar", b)], per_run[b][1:])
     return out
 
 
@@ -264,13 +325,16 @@ def batch_profile_path(cfg: RunConfig, cache: Path | None = None, role: str = "t
 
 
 def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float],
-                   loop: dict[int, float] | None = None, ar: dict[int, LoopStep] | None = None) -> Path:
+                   loop: dict[int, float] | None = None, ar: dict[int, LoopStep] | None = None,
+                   draft: dict[int, DraftLoopStep] | None = None) -> Path:
     """``ar``: the loop's autoregressive steps the fit's 1-token forward was fitted to (B, seconds in the
-    forward, mean cached tokens per row), kept beside the grid."""
+    forward, mean cached tokens per row), kept beside the grid; ``draft``: the loop's speculative steps the
+    draft fit's loop terms were fitted to (B, then :class:`DraftLoopStep`'s fields in order)."""
     doc = {"format": BATCH_FIT_FORMAT, "fit": fit.to_json(),
            "grid": [[*k, t] for k, t in sorted(grid.items())],
            "loop": [[b, t] for b, t in sorted((loop or {}).items())],
-           "loop_forward": [[b, s.forward_s, s.context] for b, s in sorted((ar or {}).items())]}
+           "loop_forward": [[b, s.forward_s, s.context] for b, s in sorted((ar or {}).items())],
+           "draft_loop": [[b, *astuple(s)] for b, s in sorted((draft or {}).items())]}
     return atomic_write_json(path, doc)
 
 
@@ -295,22 +359,27 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
     """Time the grid of ``model`` (``cfg``'s target, or its draft model with ``role="draft"``), fit
     specsim.batch's form to it (its context_tokens: the first of ``contexts``) and the loop's time outside
     the forwards at the first context — the target's: :func:`time_ar_loop`; the draft's, given the ``target``
-    model and the ``drafter`` on ``model``: :func:`time_draft_loop` — store them; returns (fit, grid,
+    model and the ``drafter`` on ``model``: what :func:`time_draft_loop`'s speculative step costs beyond
+    the autoregressive step and the draft's forwards at the grid's price (``DraftLoopStep.beyond_s``), over
+    the grid's contexts as the target's loop runs (:func:`loop_steps`) — store them; returns (fit, grid,
     path)."""
     grid = time_grid(model, batches, sizes, contexts, reps, warmup, cfg.seed)
     fit = fit_batch_cost(grid, contexts[0])
     ar: dict[int, LoopStep] = {}
+    draft: dict[int, DraftLoopStep] = {}
     if role == "target":
         ar = time_ar_loop(model, batches, contexts[0], loop_steps(contexts), reps=reps, seed=cfg.seed)
         loop = {b: s.outside_s for b, s in ar.items()}
         fit = with_ar(fit, ar)
     elif drafter is not None:
-        loop = time_draft_loop(target, drafter, fit, batches, contexts[0], reps=reps, seed=cfg.seed)
+        draft = time_draft_loop(target, drafter, fit, batches, contexts[0], loop_steps(contexts), reps=reps,
+                                seed=cfg.seed)
+        loop = {b: s.beyond_s for b, s in draft.items()}
     else:
         loop = {}
     if loop:
         fit = with_loop(fit, loop)
-    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop, ar)
+    return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop, ar, draft)
 
 
 def with_loop(fit: BatchFit, loop: dict[int, float]) -> BatchFit:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from methods.measurement import batch_cost
-from specsim.batch import BATCH_FIT_FORMAT, BatchFit
+from specsim.batch import BATCH_FIT_FORMAT, BatchCostModel, BatchFit
+from specsim.cost import MeasuredCost
+from specsim.tree import Tree
 
 
 def test_time_grid_times_every_cell_and_the_fit_round_trips(tiny_target, tmp_path, run_config):
@@ -75,10 +78,10 @@ def test_fit_loop_recovers_a_line_and_never_goes_negative():
 
 def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tmp_path, run_config):
     """Real timings of a tiny model through the batched loop: only that each B has one, and that the fit
-    carries it, is asserted. The draft's: the vanilla drafter in the loop less its fitted forwards."""
+    carries it, is asserted. The draft's: the loop's speculative step beyond the AR step and the draft's
+    forwards at the fit's price, each of its parts timed."""
     from methods.core.sampling import SamplingParams
     from methods.drafters.registry import build_drafter
-    from specsim.tree import Tree
 
     ar = batch_cost.time_ar_loop(tiny_models.target, [1, 2], 8, steps=3, reps=1)
     loop = {b: s.outside_s for b, s in ar.items()}
@@ -89,11 +92,57 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
     assert fit.loop0 + fit.loop_row > 0 and batch_cost.load_batch_fit(cfg, tmp_path) == fit
     drafter = build_drafter(cfg.method, Tree.chain(2), tiny_models, SamplingParams(0.0))
     draft_loop = batch_cost.time_draft_loop(tiny_models.target, drafter, fit, [1, 2], 8, steps=3, reps=1)
-    assert set(draft_loop) == {1, 2} and all(np.isfinite(t) for t in draft_loop.values())
-    dfit, _, _ = batch_cost.calibrate_batch(cfg, tiny_models.draft, [8], [1, 2, 3], [1, 2, 4], reps=1,
-                                            warmup=0, cache=tmp_path, role="draft",
-                                            target=tiny_models.target, drafter=drafter)
+    assert set(draft_loop) == {1, 2}
+    for s in draft_loop.values():  # the draft's forwards were timed in the loop and priced by the fit
+        assert s.forwards_s > 0 and s.grid_s > 0 and s.outside_s > s.draft_s > 0 and np.isfinite(s.beyond_s)
+    dfit, _, dpath = batch_cost.calibrate_batch(cfg, tiny_models.draft, [8], [1, 2, 3], [1, 2, 4], reps=1,
+                                                warmup=0, cache=tmp_path, role="draft",
+                                                target=tiny_models.target, drafter=drafter)
     assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit
+    doc = json.loads(dpath.read_text())
+    assert [row[0] for row in doc["draft_loop"]] == [1, 2, 3] and all(len(r) == 8 for r in doc["draft_loop"])
+
+
+def _run(steps: int, outside_ms: float, draft_ms: float, forward_ms: float = 5.0) -> SimpleNamespace:
+    """A BatchResult's timers for ``steps`` steps of these per-step milliseconds (prefill 10 ms)."""
+    ms = 1e-3 * steps
+    return SimpleNamespace(n_steps=steps, time_prefill_s=0.01, time_forward_s=forward_ms * ms,
+                           time_draft_s=draft_ms * ms, time_total_s=0.01 + (forward_ms + outside_ms) * ms)
+
+
+def test_the_draft_fits_loop_terms_carry_what_the_speculative_step_costs_beyond_the_grid(run_config):
+    """The loop's speculative step outside its target forward is the autoregressive step's outside + the
+    draft's forwards at the grid's price + beyond_s: beyond_s takes the forwards' excess over the grid (the
+    first after a target forward: evicted caches) and the verification beyond the AR step's, which the
+    draft step's host time alone (the former loop terms) left out; priced with it, the model reads the
+    loop's step back at every B."""
+    forwards_ms = {b: 1.8 + 0.16 * b for b in (2, 8, 32)}  # the loop's draft forwards: above the grid's price
+    grid_ms = {2: 1.6, 8: 2.0, 32: 3.2}
+    steps = {}
+    for b in forwards_ms:
+        ar = [_run(64, 0.1 + 0.01 * b, 0.05)]
+        spec = [_run(20, 0.5 + 0.05 * b + forwards_ms[b] + 0.3 + 0.02 * b, 0.5 + forwards_ms[b])]
+        steps[b] = batch_cost.DraftLoopStep.of(spec, ar, [(forwards_ms[b] * 20e-3, grid_ms[b] * 20e-3)])
+    s = steps[32]
+    assert s.forwards_s == pytest.approx(6.92e-3) and s.grid_s == pytest.approx(3.2e-3)
+    assert s.verify_forward_s == pytest.approx(5e-3)  # the target's forward, not in the step's outside
+    assert s.host_s == pytest.approx(0.45e-3)  # the draft timer less its forwards and the AR step's
+    assert s.verify_s == pytest.approx((0.3 + 0.07 * 32 - 0.05 - 0.01 * 32) * 1e-3)
+    assert s.beyond_s == pytest.approx(s.outside_s - s.ar_outside_s - s.grid_s)
+    assert s.beyond_s == pytest.approx(s.host_s + (s.forwards_s - s.grid_s) + s.verify_s)
+    # the model: a chain of 4 (catch-up + 3 levels = 4 forwards of 1 token: the grid's price above)
+    cfg = run_config("model=zoo", "hardware=cpu", "method=vanilla", "tree=chain", "tree.gamma=4",
+                     "workload.context_tokens=160")
+    draft = BatchFit(0.0, 0.0, 0.0, 1e-5, 0.0, 160, "sum")
+    steps = {b: dataclasses.replace(s, grid_s=4 * float(draft.time(b, 1))) for b, s in steps.items()}
+    target = BatchFit(4e-3, 0.0, 1e-8, 1e-4, 0.0, 160, "sum", loop0=0.1e-3, loop_row=0.01e-3)
+    draft = batch_cost.with_loop(draft, {b: s.beyond_s for b, s in steps.items()})
+    cost = BatchCostModel.from_config(cfg, MeasuredCost((1, 5), (3e-3, 3.2e-3)), target, draft)
+    tree = Tree.chain(4)
+    for b, s in steps.items():
+        at = cost.at(b)
+        outside = at.step_time(tree) - float(target.time(b, tree.size))
+        assert outside == pytest.approx(s.outside_s, rel=1e-6)
 
 
 def test_with_ar_fits_the_loops_one_token_forward_at_its_context():
@@ -122,6 +171,13 @@ def test_the_loops_one_token_forward_is_timed_and_prices_the_fit(tiny_models, tm
 def test_time_consecutive_times_each_forward_of_a_run(tiny_target):
     times = batch_cost.time_consecutive(tiny_target, 2, 8, k=3, rounds=2)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_time_consecutive_runs_the_draft_model_after_the_targets_forward(tiny_models):
+    """--draft-check's order: a (γ + 1)-token forward of the target, then the draft model's forwards."""
+    times = batch_cost.time_consecutive(tiny_models.draft, 2, 8, k=2, rounds=1, before=tiny_models.target,
+                                        before_n=3)
+    assert len(times) == 2 and all(t > 0 for t in times)
 
 
 def test_the_calibration_loop_runs_across_the_grids_contexts():
