@@ -55,8 +55,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 
 # multiply-accumulates per call (rows x weight elements) up to which the packed path's projection runs as a
-# float32 mm instead (module docstring); measured on an AVX-512 EPYC, thread CPU time, one thread
-SMALL_MACS = {torch.bfloat16: 1 << 16, torch.float32: 1 << 18}
+# float32 mm instead (module docstring); measured on AVX-512 EPYCs, thread CPU time, one thread. bf16, on the
+# zoo draft's projections (128 hidden): the mm is faster up to ~2e5 (1 << 16 sent 2-4 row draft forwards to
+# oneDNN); the zoo target's smallest projection (384 x 384 = 147456 elements) stays packed even on one row,
+# where the mm's float32 weight (twice the bytes) measured slower in the decode loop
+SMALL_MACS = {torch.bfloat16: 1 << 17, torch.float32: 1 << 18}
 
 
 class _Dual(NamedTuple):

@@ -311,3 +311,29 @@ def test_extend_logits_from_a_row(tiny_target, last_only):
     torch.testing.assert_close(out, full[11:] if last_only else full[9:], atol=ATOL, rtol=0)
     with pytest.raises(AssertionError, match="logits from row"):
         engine.extend(ids[:2], [11, 12], logits_from=2)
+
+
+def test_small_macs_bound_sends_few_row_draft_projections_to_mm():
+    """bf16: a 128-hidden draft's q/k/v (384 x 128) takes the float32 mm on up to 2 rows and its MLP down
+    projection (128 x 256) on up to 4 (staged's catch-up and guess forwards); a 384-hidden target's
+    smallest projection (384 x 384) stays on the packed weight even on one row."""
+    from methods.core.fast_llama import _Dual, _dual, packing_works
+
+    if not packing_works(torch.bfloat16):
+        pytest.skip("no oneDNN-packed bf16 linear on this CPU")
+    qkv, down = (_dual(torch.zeros(shape, dtype=torch.bfloat16)) for shape in ((384, 128), (128, 256)))
+    assert isinstance(qkv, _Dual) and qkv.rows == 2
+    assert isinstance(down, _Dual) and down.rows == 4
+    assert not isinstance(_dual(torch.zeros(384, 384, dtype=torch.bfloat16)), _Dual)
+
+
+@pytest.mark.parametrize(("keep", "want"),
+                         [([0, 1, 2], None), ([0, 1, 4], 9), ([0, 3], 8), ([0, 2, 3], [7, 8]), ([], None)])
+def test_commit_moves_only_the_nodes_off_their_slot(keep, want):
+    """commit's KV move: the kept nodes before the first one off its final slot are not copied; one moved
+    node is a slice copy (its slot), several a gather of their slots (prefix of 5 committed tokens)."""
+    from methods.core.engine import _moved_slots
+
+    moved = next((i for i, k in enumerate(keep) if k != i), len(keep))
+    got = _moved_slots(keep[moved:], 5, torch.device("cpu"))
+    assert (got.tolist() if isinstance(got, torch.Tensor) else got) == want
