@@ -534,9 +534,10 @@ def dynamic_draft_s(profile: Profile, shapes) -> float | None:
 
 
 def _with_draft(base: dict[str, Any], draft_s: float) -> dict[str, Any]:
-    """``base`` with its draft term replaced by ``draft_s`` (seconds per speculation step)."""
+    """``base`` with its draft term replaced by ``draft_s`` (seconds per speculation step); the former one
+    kept as ``predicted_t_draft_levels_s`` (a metrics.json key: the levels' pricing, for comparison)."""
     step, ar = draft_s + base["t_verify_s"], base["t_ar_s"]
-    return {**base, "t_draft_s": draft_s, "t_step_s": step,
+    return {**base, "t_draft_s": draft_s, "t_step_s": step, "predicted_t_draft_levels_s": base["t_draft_s"],
             "predicted_speedup": base["predicted_tau"] * ar / step,
             "predicted_decode_speedup": base["tokens_per_forward"] * ar / step}
 
