@@ -106,6 +106,9 @@ class RecordedTrees(Mapping):
 
     counts: Mapping[Tree, int]
     acceptance: DepthVectorAcceptance | None = field(default=None)
+    # (s, D): the drafter's draft time per step is s times a chain of D drafts' of the same method, timed in
+    # the loop on the same steps' prompts (methods.measurement.dynamic_shapes.draft_scale); None: not timed
+    draft_scale: tuple[float, int] | None = field(default=None)
 
     def __getitem__(self, tree: Tree) -> int:
         return self.counts[tree]

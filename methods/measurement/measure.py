@@ -181,9 +181,13 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
         in_run = dict(getattr(drafter, "shapes", None) or {}) or None  # this run's own: a diagnostic only
         if hasattr(drafter, "shapes"):  # a drafter recording its trees (EAGLE): price those it keeps on the
-            shapes, path = ensure_shapes(cfg, pcfg, models, show_progress=show_progress)  # calibration split
+            depth = int(profile.extra.get("loop_tree_depth") or 0)  # its draft timed against the loop's chain
+            shapes, path = ensure_shapes(cfg, pcfg, models, show_progress=show_progress,  # calibration split
+                                         chain_depth=depth)
             shapes = shapes or None
             metrics["dynamic_shapes_path"] = str(path)
+            scale = getattr(shapes, "draft_scale", None)  # (its draft / the chain's, the chain's depth)
+            metrics["dynamic_draft_scale"] = None if scale is None else list(scale)
         for key, kept in (("dynamic_nodes_per_depth_calibration", shapes),
                           ("dynamic_nodes_per_depth", in_run)):  # mean kept nodes per depth
             if kept:

@@ -521,6 +521,27 @@ def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[s
             "tokens_per_forward": per_forward, "predicted_decode_speedup": per_forward * ar / step}
 
 
+def dynamic_draft_s(profile: Profile, shapes) -> float | None:
+    """A dynamic drafter's draft per step: the loop's draft on the profile's chain (per level × its depth)
+    times the ``draft_scale`` its recorded trees carry (methods.measurement.dynamic_shapes: the dynamic
+    drafter's loop draft over that chain's, timed interleaved). None without a scale timed against this
+    profile's loop chain: the levels' pricing stands."""
+    scale = getattr(shapes, "draft_scale", None)
+    depth = int(profile.extra.get("loop_tree_depth") or 0)
+    if scale is None or depth < 1 or int(scale[1]) != depth or profile.draft_time_s <= 0:
+        return None
+    return profile.draft_time_s * depth * float(scale[0])
+
+
+def _with_draft(base: dict[str, Any], draft_s: float) -> dict[str, Any]:
+    """``base`` with its draft term replaced by ``draft_s`` (seconds per speculation step); the former one
+    kept as ``predicted_t_draft_levels_s`` (a metrics.json key: the levels' pricing, for comparison)."""
+    step, ar = draft_s + base["t_verify_s"], base["t_ar_s"]
+    return {**base, "t_draft_s": draft_s, "t_step_s": step, "predicted_t_draft_levels_s": base["t_draft_s"],
+            "predicted_speedup": base["predicted_tau"] * ar / step,
+            "predicted_decode_speedup": base["tokens_per_forward"] * ar / step}
+
+
 def verify_size_law(profile: Profile, tree: Tree) -> dict[int, float] | None:
     """The law of the verify forward's size (nodes, root included) when ``tree`` is the loop's own tree
     and the drafter's drafts fell short of it in the calibration's loop (``loop_verify_sizes``): prompt
@@ -589,6 +610,9 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         here, preset = _law_summary(here, multi[1], n), _law_summary(preset, multi[1], n)
     if shapes:  # the trees a dynamic drafter kept, each under the measured (depth, rank) model
         n = cfg.workload.max_new_tokens
+        draft = dynamic_draft_s(profile, shapes)
+        if draft is not None:  # its draft as timed against the loop's chain, not from the levels alone
+            here = _with_draft(here, draft)
         here = _law_summary(here, recorded_law(shapes, from_config(here_cfg.method.acceptance)), n)
         preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
     sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None

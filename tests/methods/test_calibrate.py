@@ -672,6 +672,30 @@ def test_dynamic_tree_with_recorded_shapes_is_priced_as_those_trees(run_config):
     assert here["predicted_speedup"] == pytest.approx(static_here["predicted_speedup"] * ratio)
 
 
+def test_dynamic_draft_is_priced_as_the_loop_chain_times_its_timed_scale(run_config):
+    """A dynamic drafter's draft per step is the profile's loop draft on its chain (per level × the chain's
+    depth) times the scale recorded beside its trees (timed against that chain); the trees' τ and the verify
+    term are unchanged. A scale timed against another chain depth is not used (the levels' pricing)."""
+    from methods.measurement.profiles import dynamic_tree_for
+    from specsim.tree import Tree
+    from specsim.trees import RecordedTrees
+
+    cfg = run_config("method=eagle2", "tree=dynamic", "tree.total_tokens=3", "tree.depth=3", "tree.top_k=3")
+    prof = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.8, 0.1, 0.05, 0.05))
+    prof.extra["loop_tree_depth"] = 4
+    tree = dynamic_tree_for(cfg, prof)
+    wide = {Tree.from_paths([[0], [1], [2]]): 1}
+    levels = tree_predictions(cfg, prof, tree, RecordedTrees(wide))[0]
+    here = tree_predictions(cfg, prof, tree, RecordedTrees(wide, draft_scale=(1.3, 4)))[0]
+    assert here["t_draft_s"] == pytest.approx(prof.draft_time_s * 4 * 1.3) != levels["t_draft_s"]
+    assert here["t_verify_s"] == levels["t_verify_s"] and here["predicted_tau"] == levels["predicted_tau"]
+    assert here["t_step_s"] == pytest.approx(here["t_draft_s"] + here["t_verify_s"])
+    tau, ar, step = here["predicted_tau"], here["t_ar_s"], here["t_step_s"]
+    assert here["predicted_speedup"] == pytest.approx(tau * ar / step)
+    other = tree_predictions(cfg, prof, tree, RecordedTrees(wide, draft_scale=(1.3, 3)))[0]
+    assert other["t_draft_s"] == levels["t_draft_s"]
+
+
 def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
     """Lookahead's acceptance is the loop's (a draft stopped short is a rejection at that depth), so its
     profile's key differs from one measured on star trees; Draft & Verify's early exit is priced by its

@@ -44,6 +44,7 @@ def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cac
     tried, accepted = doc["kept"]
     assert len(tried) == 3 and len(tried[0]) == 2 and sum(map(sum, accepted)) <= sum(map(sum, tried))
     assert shapes.acceptance == kept_acceptance(tried, accepted)
+    assert doc["draft_scale"] is None and shapes.draft_scale is None  # no loop chain given: not timed
 
     def fail(*a, **k):
         raise AssertionError("recorded again")
@@ -55,6 +56,21 @@ def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cac
     assert dynamic_shapes.shapes_path(profile_config(other), other.tree) != path
     with pytest.raises(AssertionError, match="recorded again"):
         ensure_shapes(other, profile_config(other), models, show_progress=False)
+    with pytest.raises(AssertionError, match="recorded again"):  # a scale against a chain: its own file
+        ensure_shapes(cfg, profile_config(cfg), models, show_progress=False, chain_depth=2)
+
+
+def test_the_dynamic_draft_is_timed_against_the_loops_chain(run_config, cache):
+    """With the profile's loop chain depth the record carries the dynamic drafter's loop draft per step over
+    that chain's (interleaved decodes of the calibration prompts), read back as RecordedTrees.draft_scale."""
+    cfg = run_config("task=measure", *SMALL)
+    models = load_models(cfg.model, cfg.device, cfg.model.dtype)
+    shapes, path = ensure_shapes(cfg, profile_config(cfg), models, show_progress=False, chain_depth=2)
+    doc = read_json(path)
+    assert doc["draft_scale_depth"] == 2 and doc["draft_scale"] > 0 and path.name.endswith("-c2.json")
+    assert shapes.draft_scale == (doc["draft_scale"], 2)
+    again, _ = ensure_shapes(cfg, profile_config(cfg), models, show_progress=False, chain_depth=2)
+    assert again == shapes
 
 
 def test_shapes_round_trip_with_ranks():
@@ -65,11 +81,16 @@ def test_shapes_round_trip_with_ranks():
 
 
 @pytest.mark.slow
-def test_measure_prices_the_calibration_trees_and_reports_its_own(run_config, cache):
+def test_measure_prices_the_calibration_trees_and_reports_its_own(run_config, cache, monkeypatch):
     """predicted_tau is the calibration trees' mixture under the profile; the run's own kept trees are only
     a diagnostic (predicted_tau_in_run_trees)."""
+    from methods.measurement import cost_table
     from methods.measurement.measure import measure
     from methods.measurement.profiles import Profile, dynamic_tree_for, tree_predictions
+
+    # the profile is read back from its file below: cached whatever the machine's load (a busy machine's
+    # scattered timings left it uncached, and this test failed about every other run)
+    monkeypatch.setattr(cost_table, "MAX_TIMING_DISPERSION", float("inf"))
 
     cfg = run_config("task=measure", *SMALL)
     m = measure(cfg, show_progress=False).metrics

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from methods.heads.eagle.head import EagleHead
 
@@ -31,6 +32,14 @@ class HeadCache:
         self.length = 0  # committed rows
         self.last: torch.Tensor | None = None  # (H,) g of the last committed row: q of the root's children
         self.anc = np.zeros((0, 0), dtype=bool)  # (P, P) pending row j is an ancestor-or-self of row i
+        c = head.cfg
+        self._k_end, self._hq = (c.num_heads + c.num_kv_heads) * c.head_dim, c.num_heads
+        self._gqa = c.num_heads != c.num_kv_heads
+        # (positions, 2, 1, d): cos and sin with its first half negated (rotate_half(x) * sin = roll(x, d/2) *
+        # sin_rot, the same products: methods.core.fast_llama), in the table's dtype as ``rotate`` casts it
+        cos, sin = head.rope[:, 0], head.rope[:, 1]
+        half = c.head_dim // 2
+        self._rope = torch.stack([cos, torch.cat([-sin[:, :half], sin[:, half:]], -1)], 1)[:, :, None]
 
     @property
     def pending(self) -> int:
@@ -57,25 +66,17 @@ class HeadCache:
     def append(self, h: torch.Tensor, tokens: torch.Tensor) -> None:
         """Commit rows: h (n, H) the head-space input (fused features), tokens (n,) = x_{i+1}."""
         self.drop_pending()
-        head, L, n = self.head, self.length, h.shape[0]
-        pos = torch.arange(L, L + n, device=h.device)
-        res, q, k, v = head.project(h[None], tokens[None], pos)
-        self._write(k, v)
-        mask = None
-        if L > 0:  # causal over the new rows, everything committed before
-            mask = torch.zeros(n, L + n, device=h.device)
-            mask[:, L:] = torch.full((n, n), float("-inf"), device=h.device).triu(1)
-        g = head.attend(res, q, self.k[:, : L + n], self.v[:, : L + n], mask)[0]  # (n, H)
+        L, n = self.length, h.shape[0]
+        mask = np.zeros((n, L + n), dtype=np.float32)  # causal over the new rows, everything committed before
+        mask[:, L:][np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+        g = self._rows(h, tokens, self._rope[L : L + n], mask)  # (n, H)
         self.length, self.last = L + n, g[-1]
 
     def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, parents) -> torch.Tensor:
         """Draft rows at ``depth``: h (n, H) the parents' g, tokens (n,), ``parents`` (n,) ints (numpy or a
         tensor): the pending row of each row's parent (-1: a child of the root, no pending ancestor). Returns
         g (n, H); the rows become pending (rows P..P+n-1)."""
-        head, L, P, n = self.head, self.length, self.pending, h.shape[0]
-        pos = torch.full((n,), L - 1 + depth, device=h.device)
-        res, q, k, v = head.project(h[None], tokens[None], pos)
-        self._write(k, v)
+        L, P, n = self.length, self.pending, h.shape[0]
         parents = parents.cpu().numpy() if torch.is_tensor(parents) else np.asarray(parents)
         grown = np.zeros((P + n, P + n), dtype=bool)  # (P + n, P + n): the new rows' ancestors, then self
         grown[:P, :P] = self.anc
@@ -83,11 +84,43 @@ class HeadCache:
         if P and has.any():
             grown[P:][has, :P] = self.anc[parents[has]]
         grown[np.arange(P, P + n), np.arange(P, P + n)] = True
-        self.anc = grown
         mask = np.zeros((n, L + P + n), dtype=np.float32)  # committed rows visible; pending: ancestors only
         mask[:, L:][~grown[P:]] = -np.inf
-        m = torch.from_numpy(mask).to(h.device)
-        return head.attend(res, q, self.k[:, : L + P + n], self.v[:, : L + P + n], m)[0]
+        g = self._rows(h, tokens, self._rope[L - 1 + depth, None], mask)  # written after the P pending rows
+        self.anc = grown
+        return g
+
+    def _rows(self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: np.ndarray
+              ) -> torch.Tensor:
+        """g (n, H) of rows h (n, H), tokens (n,) at the rotary rows ``rope`` ((n or 1, 2, 1, d)), written
+        after the committed and pending K/V, attending them under the additive ``mask`` (n, all rows):
+        ``EagleHead.project`` + ``attend`` (the training layout) in fewer ops, for one sequence at decode
+        time (q and k rotated together, one fused norm kernel, no casts that are no-ops, the mask built on
+        the host): a draft level's small tensor ops cost as much as its matmuls on CPU."""
+        head, c, n, d = self.head, self.head.cfg, h.shape[0], self.head.cfg.head_dim
+        e = head.embed[tokens].to(h.dtype)
+        if c.variant == "eagle1":
+            res = x = head._lin("fc", torch.cat([e, h], -1))
+        else:
+            res = h
+            x = torch.cat([_norm(e, head.embed_norm, c.rms_eps), _norm(h, head.hidden_norm, c.rms_eps)], -1)
+        qkv = head._lin("qkv_proj", x)  # (n, (nq + 2 kv) d)
+        qk = qkv[:, : self._k_end].view(n, -1, d)
+        qk = (qk * rope[:, 0] + qk.roll(d // 2, -1) * rope[:, 1]).float()  # (n, nq + kv, d); K/V in float32
+        at = self._write(qk[None, :, self._hq :], qkv[None, :, self._k_end :].view(1, n, -1, d))
+        keys, values = self.k[:, : at + n].transpose(1, 2), self.v[:, : at + n].transpose(1, 2)
+        q = qk[:, : self._hq].transpose(0, 1)[None]  # (1, nq, n, d)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.from_numpy(mask).to(q.device),
+                                           enable_gqa=self._gqa)
+        x = res + head._lin("o_proj", a[0].transpose(0, 1).reshape(n, -1).to(res.dtype))
+        gate, up = head._lin("gate_up_proj", _norm(x, head.post_norm, c.rms_eps)).chunk(2, -1)
+        return x + head._lin("down_proj", F.silu(gate) * up)
 
     def drop_pending(self) -> None:
         self.anc = np.zeros((0, 0), dtype=bool)
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``methods.heads.eagle.head.rms_norm`` as one fused kernel (float32, as HF's: bit-equal,
+    tests/methods/test_engine.py)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * w
