@@ -16,6 +16,7 @@ forward), which a loaded machine distorts less than the wall times.
 
     python benchmarks/batch_loop.py                                   # zoo target, bfloat16, one thread
     python benchmarks/batch_loop.py --dtype float32 --batch-sizes 1,4,16 --identity
+    python benchmarks/batch_loop.py --batch-sizes 16 --prefill-tokens 100000,512  # prefill: 1 forward/groups
 """
 
 from __future__ import annotations
@@ -97,6 +98,26 @@ def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens
             for b, per in runs.items()}
 
 
+def prefill_times(models, prompts: list[torch.Tensor], sizes: list[int], budgets: list[int], reps: int
+                  ) -> dict[int, dict[int, float]]:
+    """{B: {budget: median seconds}} of one batched prefill of B prompts (all but their last token, as
+    decode_batch does) on the target's engine with ``prefill_tokens`` = budget, interleaved budget by budget
+    in each repetition (after a warm-up one)."""
+    out: dict[int, dict[int, list[float]]] = {b: {k: [] for k in budgets} for b in sizes}
+    for b in sizes:
+        engine = BatchEngine(models.target, b, capacity=max(x.numel() for x in prompts[:b]))
+        for rep in range(reps + 1):
+            for k in budgets:
+                engine.prefill_tokens = k
+                engine.reset()
+                engine.add(b)
+                t0 = time.perf_counter()
+                engine.prefill([x[:-1] for x in prompts[:b]])
+                if rep:
+                    out[b][k].append(time.perf_counter() - t0)
+    return {b: {k: statistics.median(v) for k, v in per.items()} for b, per in out.items()}
+
+
 def identity(models, cfg, prompts: list[torch.Tensor], b: int, new_tokens: int) -> dict[str, float]:
     """Share of rows whose batched greedy output equals the prompt decoded alone (AR, one-sequence loop)."""
     opts = DecodeOptions(max_new_tokens=new_tokens, eos_token_id=models.tokenizer.eos_token_id)
@@ -124,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma list: the batched engines' KV/attention dtype per compared variant: model "
                     "(the engine's default: float32 on a CPU without AMX, else the model's) and e.g. "
                     "bfloat16 (the engine before that rule), interleaved in one process")
+    ap.add_argument("--prefill-tokens", default="",
+                    help="comma list of BatchEngine.prefill_tokens budgets: also time one batched prefill "
+                    "of B prompts with each (interleaved; e.g. 512,100000 = grouped rows vs one forward)")
     ap.add_argument("--identity", type=int, default=0, metavar="N",
                     help="also the batched-vs-alone identity rate over N prompts (batch 16)")
     args = ap.parse_args(argv)
@@ -174,6 +198,15 @@ def main(argv: list[str] | None = None) -> None:
         summary["loop_overhead_fraction_b16"] = {k: res[16][k]["overhead"] for k in ("ar", "vanilla")}
         summary["cpu_shares_b16"] = {k: {x: res[16][k][f"cpu_{x}"] for x in ("outside", "draft", "loop")}
                                      for k in ("ar", "vanilla")}
+    if args.prefill_tokens:
+        budgets = [int(x) for x in args.prefill_tokens.split(",")]
+        pre = prefill_times(models, prompts, sizes, budgets, args.reps)
+        summary["prefill_s"] = {str(b): {str(k): v for k, v in per.items()} for b, per in pre.items()}
+        print("one batched prefill (median s) per BatchEngine.prefill_tokens budget, interleaved:")
+        for b, per in pre.items():
+            first = per[budgets[0]]
+            print(f"{b:>4} " + " | ".join(f"{k}: {v * 1e3:7.1f} ms ({first / v:.2f}x of {budgets[0]})"
+                                          for k, v in per.items()))
     if args.identity:
         summary["identity_rate"] = identity(models, cfg, prompts[: args.identity], 16, args.new_tokens)
         print(f"batched-vs-alone identity over {args.identity} prompts (batch 16): "

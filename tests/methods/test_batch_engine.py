@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from methods.core.batch_engine import BatchEngine, attention_dtype
+from methods.core.batch_engine import BatchEngine, attention_dtype, prefill_groups
 from methods.core.engine import ModelEngine
 from specsim.tree import Tree
 
@@ -28,11 +28,14 @@ def _alone(model, fast: bool, prompt: torch.Tensor, steps: list[tuple[torch.Tens
     return outs
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["lean", "hf"])
-def test_batch_forward_equals_rows_alone(tiny_target, fast):
+@pytest.mark.parametrize("fast,budget", [(True, None), (False, None), (True, 12)],
+                         ids=["lean", "hf", "lean-prefill-in-groups"])
+def test_batch_forward_equals_rows_alone(tiny_target, fast, budget):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g) for n in (5, 13, 1, 9)]
     eng = BatchEngine(tiny_target, max_rows=4, capacity=16, fast=fast)  # small: the buffers must grow
+    if budget:  # prompts of 4, 12, 0, 8 tokens: groups [0], [1], [2] (empty: no forward), [3]
+        eng.prefill_tokens = budget
     assert (eng.fast is not None) == fast
     eng.add(4)
     eng.prefill([p[:-1] for p in prompts])
@@ -55,6 +58,41 @@ def test_batch_forward_equals_rows_alone(tiny_target, fast):
         for (*_, got), want in zip(history[b], ref):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         assert eng.lengths[b] == prompt.numel() - 1 + sum(len(h[2]) for h in history[b])
+
+
+def test_prefill_groups_cover_every_row_in_order_within_the_budget():
+    assert prefill_groups([4, 12, 0, 8], 12) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert prefill_groups([127] * 16, 512) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert prefill_groups([3, 3, 600, 3], 512) == [(0, 2), (2, 3), (3, 4)]  # too long: alone
+    assert prefill_groups([5, 5], 10**6) == [(0, 2)]
+
+
+def test_prefill_in_groups_equals_one_forward_and_runs_one_forward_per_group(tiny_target, monkeypatch):
+    """Rows prefilled in groups (``prefill_tokens``) get the logits, hidden states and cache of the same rows
+    prefilled in one forward; one forward per group of rows that has tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 300, (n,), generator=g) for n in (4, 12, 0, 5, 3)]
+    whole, split = BatchEngine(tiny_target, max_rows=5), BatchEngine(tiny_target, max_rows=5)
+    split.prefill_tokens = 12
+    calls = []
+    run = BatchEngine._run
+    monkeypatch.setattr(BatchEngine, "_run", lambda self, tokens, *a, **k: (
+        calls.append((self is split, tokens.shape[0])), run(self, tokens, *a, **k))[1])
+    outs = []
+    for eng in (whole, split):
+        eng.add(5)
+        outs.append(eng.prefill(ids, hidden=True))
+    assert [c for s, c in calls if s] == [1, 1, 2, 1] and [c for s, c in calls if not s] == [5]
+    a, b = outs
+    assert a.logits.shape == b.logits.shape == (5, 1, tiny_target.config.vocab_size)
+    assert a.hidden.shape == b.hidden.shape == (5, 12, tiny_target.config.hidden_size)
+    for r, x in enumerate(ids):
+        if x.numel():
+            torch.testing.assert_close(b.logits[r], a.logits[r], atol=ATOL, rtol=0)
+            torch.testing.assert_close(b.hidden[r, : x.numel()], a.hidden[r, : x.numel()], atol=ATOL, rtol=0)
+        n = x.numel()
+        torch.testing.assert_close(split.k[:, r, :, :n], whole.k[:, r, :, :n], atol=ATOL, rtol=0)
+    assert split.lengths == whole.lengths == [x.numel() for x in ids]
 
 
 def test_rows_leave_and_join(tiny_target):
