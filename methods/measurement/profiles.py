@@ -321,10 +321,37 @@ def loop_forward_excess(profile: Profile) -> float | None:
 
 def verify_walk_s(profile: Profile, n: int, chain: bool = False) -> float:
     """The verifier's walk from the logits of an n-node tree (``chain``: chain), timed per size in the
-    calibration's rounds; the loop's own tree's where n was not timed."""
+    calibration's rounds, plus :func:`cold_walk_ratio`; the loop's own tree's where n was not timed."""
     steps = profile.extra.get("verify_step_ratios") or {}
     shaped = (profile.extra.get("verify_chain_ratios") if chain else steps) or {}
-    return float(shaped.get(str(n), steps["0"])) * profile.t_ar_s
+    if str(n) not in shaped:
+        return float(steps["0"]) * profile.t_ar_s
+    return max(0.0, float(shaped[str(n)]) + cold_walk_ratio(profile)) * profile.t_ar_s
+
+
+def cold_walk_ratio(profile: Profile) -> float:
+    """What the first walk after a forward costs beyond the same walk timed warm, in t(1): v(0) − v_f,
+    v(0) the loop tree's walk (timed first in a round, right after the round's forwards, as the loop walks
+    right after its verify forward) and v_f the walk of the same shape and size timed later in the round
+    (the chain series for a chain, else the tree series). The per-size walks are timed warm, one after
+    another: at temperature 1 a 5-node chain's walk read 0.10-0.13 t(1) first and 0.06-0.08 later in the
+    same round (sampling: the softmax over the vocabulary per node), so a walk priced from them missed
+    ~0.04 t(1) per step of every loop at T = 1, its own chain included (verify +5..+9% on the quiet sweep).
+    A constant per walk (the sizes' differences stay as timed). v(0) is bounded by the loop's whole
+    measured verification beyond its forward (the walk is a part of it; prompt lookup's grounded T = 1
+    profile timed v(0) 0.26 t(1) where the loop's overhead was 0.07): at the loop's own tree the price is
+    then the loop's verification, whichever bound holds. 0 where the loop tree's size was not timed (older
+    profiles) or no loop overhead is priced (vLLM's engine)."""
+    extra = profile.extra
+    steps = extra.get("verify_step_ratios") or {}
+    size, depth = extra.get("loop_tree_size"), extra.get("loop_tree_depth")
+    if "0" not in steps or not size or int(size) < 2 or profile.verify_overhead_ratio <= 0:
+        return 0.0
+    chains = extra.get("verify_chain_ratios") or {}
+    same = chains.get(str(size)) if depth is not None and int(depth) == int(size) - 1 else None
+    same = steps.get(str(size)) if same is None else same
+    cold = min(float(steps["0"]), profile.verify_overhead_ratio)
+    return 0.0 if same is None else cold - float(same)
 
 
 def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
@@ -338,7 +365,7 @@ def verify_growth_s(profile: Profile, n: int, chain: bool = False) -> float:
     shaped = profile.extra.get("verify_chain_ratios") if chain else steps
     if not shaped or str(n) not in shaped or "0" not in steps:
         return 0.0
-    return (float(shaped[str(n)]) - float(steps["0"])) * profile.t_ar_s
+    return (float(shaped[str(n)]) + cold_walk_ratio(profile) - float(steps["0"])) * profile.t_ar_s
 
 
 def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:

@@ -78,12 +78,25 @@ def test_high_variance_methods_decode_more_test_prompts():
     """SpecInfer's τ varies most per step, prompt lookup's per prompt: their rows decode more test prompts,
     unless the sweep sets them."""
     assert vr.PROMPTS["prompt_lookup"] >= 16
-    for r in vr.rows(["specinfer", "prompt_lookup", "vanilla"]):
+    for r in vr.rows(["specinfer", "prompt_lookup", "vanilla"], workloads=["prose", "grounded"]):
         prompts = [o for o in r.overrides if o.startswith("workload.num_prompts=")]
         more = [f"workload.num_prompts={vr.PROMPTS[r.method]}"] if r.method in vr.PROMPTS else []
         assert prompts == more and (r.method == "vanilla") == (not more)
     small = vr.rows(["specinfer"], extra=vr.SMALL)
     assert all(sum(o.startswith("workload.num_prompts=") for o in r.overrides) == 1 for r in small)
+
+
+def test_code_rows_at_temperature_0_decode_16_prompts():
+    """Greedy code rows decode 16 test prompts (the experiment's 4 are among the split's hardest), every
+    method, the larger count winning (specinfer: 16, not 12); code at T = 1 and other workloads keep
+    theirs."""
+    def count(r):
+        return [int(o.split("=")[1]) for o in r.overrides if o.startswith("workload.num_prompts=")]
+
+    for r in vr.rows(["vanilla", "sequoia", "specinfer", "eagle"], workloads=["code"]):
+        mine = vr.PROMPTS.get(r.method)
+        assert count(r) == ([16] if r.temperature == 0 else ([mine] if mine else []))
+    assert all(count(r) == [2] for r in vr.rows(["vanilla"], workloads=["code"], extra=vr.SMALL))
 
 
 @pytest.mark.parametrize("row", vr.rows(temperatures=[0.0, 1.0])[::7], ids=lambda r: r.row_id)

@@ -33,6 +33,7 @@ from methods.measurement.calibrate import (
 from methods.measurement.profiles import (
     Profile,
     apply_profile,
+    cold_walk_ratio,
     draft_levels,
     draft_pass_scale,
     load_profile,
@@ -236,6 +237,36 @@ def test_verification_overhead_grows_with_the_tree():
     assert wide.time(1) == pytest.approx(t1)
     no_loop = dataclasses.replace(prof, verify_overhead_ratio=0.0)  # vLLM: the loop's overhead not priced
     assert to_measured_cost(no_loop).time(64) == pytest.approx(prof.t_n[64])
+
+
+def test_the_walk_is_priced_cold_as_the_loop_walks():
+    """The loop walks right after its verify forward; the calibration times the loop tree's walk v(0) so
+    (first in its round) and the per-size walks warm, later. Each size's walk is priced with that cold
+    excess, v(0) − the same shape's warm walk: at the loop's own chain the price is the loop's measured
+    verification exactly (T = 1 chains read 5-9% low without it), and a tree pays the excess once."""
+    t1 = 1.1e-3
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=0.3)
+    prof.extra.update(verify_step_ratios={"0": 0.11, "4": 0.08, "32": 0.2},
+                      verify_chain_ratios={"4": 0.07, "32": 0.15}, loop_verify_forward_tokens=4,
+                      loop_tree_size=4, loop_tree_depth=3)
+    assert cold_walk_ratio(prof) == pytest.approx(0.11 - 0.07)  # the chain's own shape
+    excess = loop_forward_excess(prof)
+    wide, chain = to_measured_cost(prof), to_measured_cost(prof, chain=True)
+    assert chain.time(4) == pytest.approx(prof.t_n[4] + prof.verify_overhead_s)  # the loop's own verification
+    assert chain.time(32) == pytest.approx(prof.t_n[32] * (1 + excess) + (0.15 + 0.04) * t1)
+    assert wide.time(32) == pytest.approx(prof.t_n[32] * (1 + excess) + (0.2 + 0.04) * t1)
+    assert wide.time(1) == pytest.approx(t1)
+    tree = dataclasses.replace(prof, extra={**prof.extra, "loop_tree_depth": 2})  # a 4-node tree: its size
+    assert cold_walk_ratio(tree) == pytest.approx(0.11 - 0.08)
+    older = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "loop_tree_size"})
+    assert cold_walk_ratio(older) == 0.0
+    busy = dataclasses.replace(prof, verify_overhead_ratio=0.09)  # v(0) above the loop's whole overhead
+    assert cold_walk_ratio(busy) == pytest.approx(0.09 - 0.07)
+    assert to_measured_cost(busy, chain=True).time(4) == pytest.approx(prof.t_n[4] + busy.verify_overhead_s)
+    constant = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
+                                                if k != "loop_verify_forward_tokens"})
+    assert to_measured_cost(constant, chain=True).time(32) == pytest.approx(
+        prof.t_n[32] + prof.verify_overhead_s + (0.15 - 0.07) * t1)  # growth between warm walks
 
 
 def test_loop_forward_excess_scales_with_the_tree():
