@@ -48,7 +48,7 @@ BATCHABLE = MappingProxyType({
               "separate drafts",
     "layerskip": _SHARED_ENGINE,
     "draft_verify": _SHARED_ENGINE,
-    "mtp": "no: its MTP modules keep a per-sequence KV cache of their own; not batched yet",
+    "mtp": "batched",
     "eagle": "no: its head keeps a per-sequence KV cache of its own and re-shapes trees per row (EAGLE-2); "
              "not batched yet",
     "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "

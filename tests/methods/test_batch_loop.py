@@ -28,6 +28,9 @@ CASES = {  # (drafter, tree, params)
     "vanilla_tree": ("draft_model", Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]), {}),
     "prompt_lookup": ("prompt_lookup", Tree.chain(3), {}),
     "medusa": ("medusa", Tree.kary(2, 2), {"heads": "random", "num_heads": 4}),
+    # random modules: a wide first level gets drafts accepted (the identity is not trivial); a window of 8
+    # puts short prompts' rows in groups of their own for the first steps (ragged windows)
+    "mtp": ("mtp", Tree.from_parents([-1] + [0] * 48 + [1, 1, 2, 49]), {"modules": "random", "window": 8}),
     "lookahead_per_row": ("lookahead", Tree.chain(3), {"level": 4, "window": 3, "guess_set": 3}),
     "specinfer_per_row": ("specinfer", Tree.kary(2, 2), {"source": "copies", "drafts": 3}),
 }
@@ -101,7 +104,9 @@ SAMPLED = {
     "chain": ("draft_model", Verifier.chain, Tree.chain(2)),
     "specinfer_tree": ("draft_model", Verifier.specinfer, Tree.kary(2, 2)),
     "sequoia_tree": ("draft_model", Verifier.sequoia, Tree.from_parents([-1, 0, 0, 0, 1, 1, 2])),
+    "mtp_chain": ("mtp", Verifier.chain, Tree.chain(3)),
 }
+SAMPLED_PARAMS = {"mtp": {"modules": "random", "window": 4}}
 
 
 @pytest.mark.slow
@@ -110,7 +115,8 @@ def test_sampling_stays_lossless_per_row(small_vocab_models, case):
     """1500 rows (batches of 12, continuous) of the same prompt at temperature 1: the marginals of tokens
     1..3 match the target's exact law (chi-square), as for the one-sequence loop."""
     drafter_name, verifier, tree = SAMPLED[case]
-    method = MethodConfig(name=case, drafter=drafter_name, verifier=verifier)
+    method = MethodConfig(name=case, drafter=drafter_name, verifier=verifier,
+                          params=dict(SAMPLED_PARAMS.get(drafter_name, {})))
     drafter = build_drafter(method, tree, small_vocab_models, T1)
     opts = DecodeOptions(verifier, T1, N_TOKENS)
     g = torch.Generator().manual_seed(99)
