@@ -184,6 +184,12 @@ class EagleDrafter:
         h = self.head.fuse(src.to(p.device, p.dtype))
         self.cache.append(h, ctx.tokens[t - n :].to(p.device))
 
+    def batched(self, max_rows: int):
+        """The batched form (methods.drafters.eagle_batch: EAGLE-1's static top-k trees), else None."""
+        from methods.drafters.eagle_batch import batched_eagle
+
+        return batched_eagle(self, max_rows)
+
     # ---- calibration ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def level_step(self, width: int, context: int, children: int, generator: torch.Generator):

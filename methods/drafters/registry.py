@@ -49,8 +49,7 @@ BATCHABLE = MappingProxyType({
     "layerskip": _SHARED_ENGINE,
     "draft_verify": _SHARED_ENGINE,
     "mtp": "batched",
-    "eagle": "no: its head keeps a per-sequence KV cache of its own and re-shapes trees per row (EAGLE-2); "
-             "not batched yet",
+    "eagle": "batched",  # EAGLE-1's static top-k trees; dynamic trees, sampled candidates: per row
     "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "
               "return yet, and keeps a per-sequence KV cache",
 })
