@@ -51,7 +51,7 @@ BATCHABLE = MappingProxyType({
     "mtp": "batched",
     "eagle": "batched",  # EAGLE-1's static top-k trees; dynamic trees, sampled candidates: per row
     "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "
-              "return yet, and keeps a per-sequence KV cache",
+              "return yet (the head's batched cache, methods.heads.eagle.batch_state, would take them fused)",
 })
 
 
