@@ -1,7 +1,9 @@
 """The batched form of a drafter (methods.core.drafter.BatchDrafter), and the per-row default.
 
 A drafter with a batched path says so with ``batched(max_rows)`` (the autoregressive baseline, the draft
-model on its own BatchEngine, prompt lookup, Medusa's heads on the batch's hidden states). Any other drafter
+model on its own BatchEngine, prompt lookup, Medusa's heads on the batch's hidden states, MTP's modules and
+EAGLE-1's head over the rows); ``batched`` returning None means "not in this configuration" (EAGLE-2's
+dynamic trees, sampled EAGLE candidates): per row. Any other drafter
 whose state is its own (no shared engine with the target: not ``attach``) is batched by ``PerRow``: one
 instance per row, built by a factory, proposing one after the other — correct, not faster than B drafters.
 """
@@ -49,10 +51,12 @@ class PerRow:
 
 
 def batched(drafter: Drafter, max_rows: int, make: Callable[[], Drafter] | None = None) -> BatchDrafter:
-    """The drafter's own batched form, or ``PerRow`` over instances from ``make``."""
+    """The drafter's own batched form (where its ``batched`` gives one), or ``PerRow`` over instances from
+    ``make``."""
     own = getattr(drafter, "batched", None)
-    if own is not None:
-        return own(max_rows)
+    form = own(max_rows) if own is not None else None
+    if form is not None:
+        return form
     if make is None:
         raise ValueError(f"{type(drafter).__name__} has no batched form; give a factory for one per row")
     return PerRow(drafter, make)

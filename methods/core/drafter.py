@@ -156,8 +156,9 @@ class Drafter(Protocol):
     ``time_offline_s``. Optional method ``attach(target: ModelEngine)``: self-drafting (LayerSkip, Draft &
     Verify) runs sub-layers of the target on the target's own engine and cache; the loop hands that engine
     over before ``reset``. Such a drafter must leave the engine with no pending node, or exactly the nodes
-    its ``Draft.resume`` describes. Optional method ``batched(max_rows: int) -> BatchDrafter``: the drafter's
-    batched form for methods.core.batch_loop (B sequences at once); a drafter without it is batched per row
+    its ``Draft.resume`` describes. Optional method ``batched(max_rows: int) -> BatchDrafter | None``: the
+    drafter's batched form for methods.core.batch_loop (B sequences at once; None: none in this
+    configuration); a drafter without it (or None) is batched per row
     by methods.core.batch_drafter.PerRow (one instance per row, when the drafter's state allows it). Optional
     method ``level_step(width, context, children, generator) -> Callable[[], None]``: one level of the
     drafter's own drafting fed ``width`` rows after ``context`` committed tokens, choosing ``children``

@@ -24,11 +24,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
+from methods.core.drafter import (
+    BatchContext,
+    BatchDraft,
+    BatchFeedback,
+    Draft,
+    DraftContext,
+    StepFeedback,
+    root_only,
+)
 from methods.core.fast_llama import packing_works
 from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.drafters.params import checked_params
+from methods.heads.eagle.batch_state import BatchHeadCache
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
 from methods.heads.eagle.train import EagleTrainConfig, new_head
@@ -183,6 +192,10 @@ class EagleDrafter:
         p = self.head.fc.weight
         h = self.head.fuse(src.to(p.device, p.dtype))
         self.cache.append(h, ctx.tokens[t - n :].to(p.device))
+
+    def batched(self, max_rows: int):
+        """The batched form (BatchEagle: EAGLE-1's static top-k trees), else None."""
+        return batched_eagle(self, max_rows)
 
     # ---- calibration ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -396,3 +409,106 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
     if ep.pack:
         head.pack()
     return head
+
+
+# ---- batches (issue 16) ----------------------------------------------------------------------------------
+def batched_eagle(one: EagleDrafter, max_rows: int) -> BatchEagle | None:
+    """The batched form of ``one``, or None where the configuration has none (per row)."""
+    if one.dynamic is not None or one.mode != "topk" or not one.needs_hidden_states:
+        return None
+    return BatchEagle(one, max_rows)
+
+
+class BatchEagle:
+    """EAGLE-1's static trees with top-k children over a batch (greedy, deterministic, typical verifiers):
+    the head's cache holds every row (methods.heads.eagle.batch_state.BatchHeadCache), every row drafts the
+    configured tree, each level's children chosen by one top-k over all rows' fed nodes; rows near their
+    length limit get their tree cut to their own depth afterwards (a static top-k tree's shallow nodes do
+    not depend on the deeper levels), so every row's draft is exactly the one-sequence drafter's. Dynamic
+    trees (EAGLE-2), sampled candidates and EAGLE-3 (its features) have no batched form here
+    (``batched_eagle``: None): they are batched per row (methods.core.batch_drafter.PerRow)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, one: EagleDrafter, max_rows: int) -> None:
+        self.one = one
+        self.cache = BatchHeadCache(one.head, max_rows)
+        self.has_last: list[bool] = []
+
+    def join(self, prompts: list[torch.Tensor]) -> None:
+        self.cache.join(len(prompts))
+        self.has_last += [False] * len(prompts)
+
+    def leave(self, slot: int) -> None:
+        self.cache.leave(slot)
+        last = self.has_last.pop()
+        if slot < len(self.has_last):
+            self.has_last[slot] = last
+
+    def feedback_batch(self, fb: BatchFeedback) -> None:
+        """Nothing to learn: the accepted tokens' features arrive in the next contexts."""
+
+    @torch.inference_mode()
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft:
+        self._catch_up(ctx)
+        one, cache = self.one, self.cache
+        depths = [min(one.tree.depth, c.max_new - 1) if ok else 0 for c, ok in zip(ctx.rows, self.has_last)]
+        depth = max(depths)
+        if depth < 1:
+            return BatchDraft.from_drafts([root_only(int(r)) for r in ctx.roots])
+        tree = _cut(one.tree, depth)
+        plan = one._plans.get(tree) or one._plans.setdefault(tree, _Plan.of(tree))
+        b = len(ctx.rows)
+        tokens = np.repeat(ctx.roots.numpy()[:, None], tree.size, 1)  # (B, N)
+        slot = np.zeros(tree.size, dtype=np.int64)  # node → its column in g / z (the last fed level)
+        g = cache.last[:b, None]  # (B, 1, H)
+        z = one.head.logits(g)
+        first = -1
+        try:
+            for d in range(1, depth + 1):
+                kids = plan.kids[d - 1]
+                cand = z.float().topk(plan.width[d - 1]).indices.cpu().numpy()  # (B, fed, w)
+                tokens[:, kids] = cand[:, slot[plan.parents[kids]], plan.ranks[kids]]
+                fed = plan.expand[d] if d < depth else plan.expand[d][:0]
+                if fed.size == 0:
+                    continue
+                pidx = slot[plan.parents[fed]]
+                prow = pidx + first if first >= 0 else np.full(fed.size, -1)
+                first = cache.pending
+                sel = torch.from_numpy(pidx).to(g.device)
+                g = cache.feed(g[:, sel], torch.from_numpy(tokens[:, fed]).to(g.device), d, prow)
+                z = one.head.logits(g)
+                slot[fed] = np.arange(fed.size)
+        finally:
+            cache.drop_pending()
+        ids = torch.from_numpy(tokens)
+        if all(x == depth for x in depths):
+            return BatchDraft(ids, [tree])
+        drafts = []
+        for i, x in enumerate(depths):
+            if x < 1:
+                drafts.append(root_only(int(ctx.roots[i])))
+            elif x == depth:
+                drafts.append(Draft(tree, ids[i]))
+            else:
+                keep = np.flatnonzero(tree.depths <= x)
+                drafts.append(Draft(_cut(tree, x), ids[i, torch.from_numpy(keep)]))
+        return BatchDraft.from_drafts(drafts)
+
+    def _catch_up(self, ctx: BatchContext) -> None:
+        """Append each row's committed rows not yet in the head's cache (features of x_j paired with
+        x_{j+1}), all rows in one head forward."""
+        rows, hs, toks = [], [], []
+        p = self.one.head.fc.weight
+        for b, c in enumerate(ctx.rows):
+            if c.hidden is None or c.hidden.shape[0] == 0:
+                continue
+            n, t = c.hidden.shape[0], c.tokens.shape[0]
+            assert self.cache.lengths[b] == t - 1 - n, f"row {b}: head cache {self.cache.lengths[b]} rows, " \
+                                                       f"expected {t - 1 - n}"
+            rows.append(b)
+            hs.append(self.one.head.fuse(c.hidden.to(p.device, p.dtype)))
+            toks.append(c.tokens[t - n :].to(p.device))
+            self.has_last[b] = True
+        if rows:
+            self.cache.append(rows, hs, toks)

@@ -21,7 +21,15 @@ from functools import partial
 import numpy as np
 import torch
 
-from methods.core.drafter import Draft, DraftContext, StepFeedback, root_only
+from methods.core.drafter import (
+    BatchContext,
+    BatchDraft,
+    BatchFeedback,
+    Draft,
+    DraftContext,
+    StepFeedback,
+    root_only,
+)
 from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, probs
 from methods.drafters.params import checked_params
@@ -184,3 +192,97 @@ class MTPDrafter:
                 tree = subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
             self._cut[depth] = tree
         return self._cut[depth]
+
+    def batched(self, max_rows: int) -> BatchMTP:
+        return BatchMTP(self)
+
+
+class BatchMTP:
+    """MTP over a batch: each row keeps the last ``window`` target hidden states of its committed tokens (the
+    modules recompute over that window, no KV cache of their own); rows with the same window length and
+    draft depth run each module as ONE call over all of them ((G, T, H), the same tree attention and
+    positions as ``MTPDrafter._module`` per row), and pick their children with one top-k (or one draw from
+    the modules' laws, sampled chains). Rows are grouped by (window length, depth): in steady state every
+    row has a full window and one group holds the batch; short prompts and rows near their length limit
+    form groups of their own. Each row's draft is exactly the one-sequence drafter's."""
+
+    needs_hidden_states = True
+
+    def __init__(self, one: MTPDrafter) -> None:
+        self.one = one
+        self.h: list[torch.Tensor | None] = []  # per row: (n ≤ window, H) the last hidden states
+
+    def join(self, prompts: list[torch.Tensor]) -> None:
+        self.h += [None] * len(prompts)
+
+    def leave(self, slot: int) -> None:
+        last = self.h.pop()
+        if slot < len(self.h):
+            self.h[slot] = last
+
+    def feedback_batch(self, fb: BatchFeedback) -> None:
+        """Nothing to learn: the next hidden states arrive in the next contexts."""
+
+    @torch.inference_mode()
+    def propose_batch(self, ctx: BatchContext) -> BatchDraft:
+        window, one = self.one.heads.cfg.window, self.one
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, c in enumerate(ctx.rows):
+            if c.hidden is not None and c.hidden.shape[0]:
+                h = self.h[b]
+                self.h[b] = (c.hidden if h is None else torch.cat([h, c.hidden]))[-window:]
+            depth = min(one.tree.depth, c.max_new - 1)
+            n = 0 if self.h[b] is None else self.h[b].shape[0]
+            groups.setdefault((n, min(depth, n)), []).append(b)
+        drafts: list[Draft | None] = [None] * len(ctx.rows)
+        for (n, depth), rows in groups.items():
+            if depth < 1:
+                for b in rows:
+                    drafts[b] = root_only(int(ctx.roots[b]), ctx.rows[b].tokens.device)
+                continue
+            drafts_g = self._group(rows, n, depth, ctx)
+            for b, d in zip(rows, drafts_g):
+                drafts[b] = d
+        if len(groups) == 1 and not one.sample:  # one tree for every row: no per-row drafts to carry
+            tree = drafts[0].tree
+            return BatchDraft(torch.stack([d.tokens for d in drafts]), [tree])
+        return BatchDraft.from_drafts(drafts)
+
+    def _group(self, rows: list[int], n: int, depth: int, ctx: BatchContext) -> list[Draft]:
+        """The drafts of rows with n hidden states each and one depth: each module once over the group."""
+        one = self.one
+        tree = one._layout(depth)
+        h = torch.stack([self.h[b] for b in rows])  # (G, n, H)
+        ext = torch.stack([ctx.rows[b].tokens[-n:].cpu() for b in rows])  # (G, n) x_{t-n} .. the root
+        g = len(rows)
+        tokens = ctx.roots[rows][:, None].repeat(1, tree.size).cpu()  # (G, N)
+        q = torch.zeros(g, tree.size, one.heads.lm_head.shape[0]) if one.sample else None
+        states = h[:, -1:]
+        for k in range(1, tree.depth + 1):
+            plan = one._plan(tree, k)
+            h, states = self._module(k, plan, h, states, ext, tokens)
+            logits = one.heads.logits(k, states[:, plan.expand_rows.to(h.device)]).float()  # (G, E, V)
+            if one.sample:
+                law = probs(logits, one.sampling)
+                top = torch.multinomial(law.flatten(0, 1), 1, generator=ctx.rows[rows[0]].generator)
+                top = top.view(g, -1, 1)
+                q[:, plan.expand] = law.cpu()
+            else:
+                top = logits.topk(plan.width).indices
+            tokens[:, plan.kids] = top.cpu()[:, plan.kid_parent, plan.kid_rank]
+        dev = ctx.rows[rows[0]].tokens.device
+        return [Draft(tree, tokens[i].to(dev), None if q is None else q[i].to(dev)) for i in range(g)]
+
+    def _module(self, k: int, plan: _Plan, h: torch.Tensor, states: torch.Tensor, ext: torch.Tensor,
+                tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``MTPDrafter._module`` over a group of rows: h (G, n', H), states (G, 1 + nodes, H), ext (G, n),
+        tokens (G, N)."""
+        n_pre = h.shape[1] - (k > 1)
+        m = len(plan.nodes)
+        h_in = torch.cat([h[:, :n_pre], states[:, plan.src.to(h.device)]], 1)
+        toks = torch.cat([ext[:, k - 1 : k - 1 + n_pre], tokens[:, plan.nodes]], 1).to(h.device)
+        allowed = torch.ones(n_pre + m, n_pre + m, dtype=torch.bool).tril()
+        allowed[n_pre:, n_pre:] = plan.anc
+        pos = torch.cat([torch.arange(n_pre), n_pre - 1 + plan.depths])
+        out = self.one.heads.step(k, h_in, toks, allowed, pos)
+        return out[:, :n_pre], out[:, n_pre - 1 :]

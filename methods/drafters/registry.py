@@ -48,11 +48,10 @@ BATCHABLE = MappingProxyType({
               "separate drafts",
     "layerskip": _SHARED_ENGINE,
     "draft_verify": _SHARED_ENGINE,
-    "mtp": "no: its MTP modules keep a per-sequence KV cache of their own; not batched yet",
-    "eagle": "no: its head keeps a per-sequence KV cache of its own and re-shapes trees per row (EAGLE-2); "
-             "not batched yet",
+    "mtp": "batched",
+    "eagle": "batched",  # EAGLE-1's static top-k trees; dynamic trees, sampled candidates: per row
     "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "
-              "return yet, and keeps a per-sequence KV cache",
+              "return yet (the head's batched cache, methods.heads.eagle.batch_state, would take them fused)",
 })
 
 

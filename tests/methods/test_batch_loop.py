@@ -16,7 +16,7 @@ from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
 from methods.drafters.registry import BATCHABLE, build_drafter, names
-from specsim.config import MethodConfig, Verifier
+from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
 from specsim.tree import Tree
 from tests.methods.test_statistical import N_TOKENS, PROMPT, T1, chi2_pvalue, exact_marginals
 
@@ -28,9 +28,16 @@ CASES = {  # (drafter, tree, params)
     "vanilla_tree": ("draft_model", Tree.from_parents([-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]), {}),
     "prompt_lookup": ("prompt_lookup", Tree.chain(3), {}),
     "medusa": ("medusa", Tree.kary(2, 2), {"heads": "random", "num_heads": 4}),
+    # random modules: a wide first level gets drafts accepted (the identity is not trivial); a window of 8
+    # puts short prompts' rows in groups of their own for the first steps (ragged windows)
+    "mtp": ("mtp", Tree.from_parents([-1] + [0] * 48 + [1, 1, 2, 49]), {"modules": "random", "window": 8}),
+    "eagle": ("eagle", Tree.from_parents([-1] + [0] * 40 + [1, 1, 2, 42, 42, 45]), {"head": "random"}),
+    "eagle_dynamic_per_row": ("eagle", None, {"head": "random"}),  # EAGLE-2: per row (TREE_CFG)
     "lookahead_per_row": ("lookahead", Tree.chain(3), {"level": 4, "window": 3, "guess_set": 3}),
     "specinfer_per_row": ("specinfer", Tree.kary(2, 2), {"source": "copies", "drafts": 3}),
 }
+TREE_CFG = {"eagle_dynamic_per_row": TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=40,
+                                                depth=3, top_k=20)}
 FIELDS = {"lookahead": {"verify_extra_tokens": 2 + 2 * 3 + 2 * 3}}  # as test_greedy_equivalence
 
 
@@ -67,8 +74,9 @@ def _cut(tokens: list[int], eos: int) -> list[int]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_rows_equal_prompts_decoded_alone(tiny_models, alone, case, continuous):
     method, tree = _method(case)
-    drafter = build_drafter(method, tree, tiny_models, GREEDY)
-    rows = batched(drafter, 3, lambda: build_drafter(method, tree, tiny_models, GREEDY))
+    cfg = TREE_CFG.get(case)
+    drafter = build_drafter(method, tree, tiny_models, GREEDY, cfg)
+    rows = batched(drafter, 3, lambda: build_drafter(method, tree, tiny_models, GREEDY, cfg))
     assert isinstance(rows, PerRow) == case.endswith("per_row")
     opts = DecodeOptions(Verifier.greedy, GREEDY, MAX_NEW, eos_token_id=alone["eos"])
     out = decode_batch(BatchEngine(tiny_models.target, 3), rows, _prompts(), opts, torch.Generator(),
@@ -86,6 +94,53 @@ def test_rows_equal_prompts_decoded_alone(tiny_models, alone, case, continuous):
     assert out.cpu_forward_s + out.cpu_draft_s <= out.cpu_steps_s + 1e-9
 
 
+class _Checked:
+    """A batched drafter checked against one-sequence drafters on the same contexts: each row's proposal
+    (tree and tokens) must be theirs, every step (``compared``: rows compared whose draft is ≥ 2 deep)."""
+
+    def __init__(self, form, reference: PerRow) -> None:
+        self.form, self.ref = form, reference
+        self.needs_hidden_states = form.needs_hidden_states
+        self.compared = 0
+
+    def join(self, prompts):
+        self.form.join(prompts)
+        self.ref.join(prompts)
+
+    def leave(self, slot):
+        self.form.leave(slot)
+        self.ref.leave(slot)
+
+    def propose_batch(self, ctx):
+        got, want = self.form.propose_batch(ctx), self.ref.propose_batch(ctx)
+        for b in range(len(ctx.rows)):
+            g, w = got.row(b), want.row(b)
+            assert g.tree.parents == w.tree.parents and g.tokens.tolist() == w.tokens.tolist(), b
+            self.compared += w.tree.depth >= 2
+        return got
+
+    def feedback_batch(self, fb):
+        self.form.feedback_batch(fb)
+        self.ref.feedback_batch(fb)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "autoregressive"
+                                  and not c.endswith("per_row")])
+def test_rows_draft_as_alone(tiny_models, alone, case):
+    """A batched drafter proposes, for every row and step, the one-sequence drafter's draft of that row's
+    context (the outputs above are the target's whatever the drafts: this checks the drafter itself, its
+    caches, positions and masks per row, at every depth)."""
+    method, tree = _method(case)
+    cfg = TREE_CFG.get(case)
+    opts = DecodeOptions(Verifier.greedy, GREEDY, MAX_NEW, eos_token_id=alone["eos"])
+    make = lambda: build_drafter(method, tree, tiny_models, GREEDY, cfg)  # noqa: E731
+    checked = _Checked(batched(make(), 3), PerRow(make(), make))
+    out = decode_batch(BatchEngine(tiny_models.target, 3), checked, _prompts(), opts, torch.Generator(),
+                       continuous=True)
+    assert [r.token_ids for r in out.results] == alone["refs"]
+    assert checked.compared >= 10
+
+
 def test_hf_forward_and_verifier_deterministic(tiny_models, alone):
     """The HF fallback engine (no lean forward) on both sides, a tree verified per row (deterministic)."""
     method, tree = _method("vanilla_tree", Verifier.deterministic)
@@ -101,7 +156,10 @@ SAMPLED = {
     "chain": ("draft_model", Verifier.chain, Tree.chain(2)),
     "specinfer_tree": ("draft_model", Verifier.specinfer, Tree.kary(2, 2)),
     "sequoia_tree": ("draft_model", Verifier.sequoia, Tree.from_parents([-1, 0, 0, 0, 1, 1, 2])),
+    "mtp_chain": ("mtp", Verifier.chain, Tree.chain(3)),
+    "eagle_specinfer_per_row": ("eagle", Verifier.specinfer, Tree.kary(2, 2)),  # sampled EAGLE: per row
 }
+SAMPLED_PARAMS = {"mtp": {"modules": "random", "window": 4}, "eagle": {"head": "random"}}
 
 
 @pytest.mark.slow
@@ -110,11 +168,14 @@ def test_sampling_stays_lossless_per_row(small_vocab_models, case):
     """1500 rows (batches of 12, continuous) of the same prompt at temperature 1: the marginals of tokens
     1..3 match the target's exact law (chi-square), as for the one-sequence loop."""
     drafter_name, verifier, tree = SAMPLED[case]
-    method = MethodConfig(name=case, drafter=drafter_name, verifier=verifier)
+    method = MethodConfig(name=case, drafter=drafter_name, verifier=verifier,
+                          params=dict(SAMPLED_PARAMS.get(drafter_name, {})))
     drafter = build_drafter(method, tree, small_vocab_models, T1)
     opts = DecodeOptions(verifier, T1, N_TOKENS)
     g = torch.Generator().manual_seed(99)
-    out = decode_batch(BatchEngine(small_vocab_models.target, 12), batched(drafter, 12), [PROMPT] * 1500,
+    rows = batched(drafter, 12, lambda: build_drafter(method, tree, small_vocab_models, T1))
+    assert isinstance(rows, PerRow) == case.endswith("per_row")
+    out = decode_batch(BatchEngine(small_vocab_models.target, 12), rows, [PROMPT] * 1500,
                        opts, g, continuous=True)
     samples = np.asarray([r.token_ids for r in out.results])
     law = exact_marginals(small_vocab_models.target, T1)
@@ -129,7 +190,8 @@ def test_batchable_declaration_covers_the_registry():
         assert how in ("batched", "per_row") or how.startswith("no: "), (name, how)
 
 
-@pytest.mark.parametrize("method", ["autoregressive", "vanilla", "prompt_lookup", "medusa", "lookahead"])
+@pytest.mark.parametrize("method", ["autoregressive", "vanilla", "prompt_lookup", "medusa", "lookahead",
+                                    "mtp", "eagle", "eagle2"])
 def test_batchable_methods_pass_the_config_checks(run_module, run_config, method):
     """workload.batch_size > 1 on specsim's engine is accepted for every method whose drafter batches."""
     run_module.check_runnable(run_config(f"method={method}", "workload.batch_size=8", "model=random_tiny"))
