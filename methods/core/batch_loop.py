@@ -7,7 +7,9 @@ each row is verified by the configured verifier (methods.core.verify, the one-se
 (ragged: rows advance by different amounts) and its bonus token becomes its next root. Rows leave at EOS or
 length (the last row moves into the slot); the next requests join then with ``continuous`` (continuous
 batching), else when the whole batch has finished (static batches). Every row's output is the output of
-decoding its prompt alone.
+decoding its prompt alone. Each row's drafter context carries a generator of the row's own
+(``row_generator``, seeded from the run's generator as the row joins): a row's draft depends on its own
+context alone, as when its prompt is decoded alone, never on the draws of the rows beside it.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class _Row:
     hidden: torch.Tensor | None
     result: DecodeResult
     joined: float
+    generator: torch.Generator  # the row's own, for its drafter's draws (row_generator)
 
 
 @torch.inference_mode()
@@ -84,15 +87,17 @@ def decode_batch(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch
     target.reset()
     while queue or rows:
         if queue and (continuous or not rows):
-            _join(target, drafter, prompts, queue, rows, opts, want_hidden, out)
+            _join(target, drafter, prompts, queue, rows, opts, want_hidden, out, generator)
         _step(target, drafter, rows, opts, generator, want_hidden, out)
     out.time_total_s = time.perf_counter() - t_start
     return out
 
 
 def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor], queue: list[int],
-          rows: list[_Row], opts: DecodeOptions, want_hidden: bool, out: BatchResult) -> None:
-    """The next requests fill the free rows: one prefill forward for all of them, then the drafter's."""
+          rows: list[_Row], opts: DecodeOptions, want_hidden: bool, out: BatchResult,
+          generator: torch.Generator) -> None:
+    """The next requests fill the free rows: one prefill forward for all of them, then the drafter's; each
+    new row gets its own generator (in request order)."""
     t0 = time.perf_counter()
     new = [queue.pop() for _ in range(min(target.max_rows - target.rows, len(queue)))]
     ids = [prompts[i].detach().to("cpu", torch.long).view(-1) for i in new]
@@ -109,14 +114,15 @@ def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor
         seq[:n] = x
         hidden = pre.hidden[j, : n - 1] if (want_hidden and pre is not None) else None
         res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", now - t0)
-        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, res, t0))
+        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, res, t0,
+                         row_generator(generator)))
     out.time_prefill_s += now - t0
 
 
 def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: DecodeOptions,
           generator: torch.Generator, want_hidden: bool, out: BatchResult) -> None:
     c0, t0 = time.process_time(), time.perf_counter()
-    ctxs = [DraftContext(r.seq[: r.t], r.hidden, generator, r.end - r.t) for r in rows]
+    ctxs = [DraftContext(r.seq[: r.t], r.hidden, r.generator, r.end - r.t) for r in rows]
     roots = torch.tensor([r.host[r.t - 1] for r in rows], dtype=torch.long)
     ca = time.process_time()
     draft = _limit(drafter.propose_batch(BatchContext(ctxs, roots)), [c.max_new for c in ctxs])
@@ -157,6 +163,15 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
     for r in rows:
         r.result.time_draft_s += (t1 - t0) + (t4 - t3)
         r.result.time_verify_s += t3 - t1
+
+
+def row_generator(generator: torch.Generator) -> torch.Generator:
+    """A joining row's own generator (same device), seeded by one draw from the run's ``generator``: the run
+    stays reproducible from its seed, and a row's drafter draws (Lookahead's initial window, sampled drafts
+    of per-row drafters) the same whatever rows decode beside it — as decoding its prompt alone with this
+    generator. Verification keeps the run's generator."""
+    seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator(generator.device).manual_seed(seed)
 
 
 def _leave(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], b: int, now: float,

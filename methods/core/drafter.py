@@ -183,7 +183,9 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class BatchContext:
     """What a batched drafter may read: one ``DraftContext`` per active row (slot order; row b's context is
-    exactly what the one-sequence loop would give its drafter) and the rows' roots (B,) long (host)."""
+    exactly what the one-sequence loop would give its drafter, its generator the row's own: the draws of
+    one row never shift another's) and the rows' roots (B,) long (host). A batched form that draws for all
+    rows at once uses row 0's generator."""
 
     rows: list[DraftContext]
     roots: torch.Tensor

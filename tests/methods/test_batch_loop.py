@@ -5,13 +5,15 @@ form are batched per row."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from methods.core.batch_drafter import PerRow, batched
 from methods.core.batch_engine import BatchEngine
-from methods.core.batch_loop import decode_batch
+from methods.core.batch_loop import decode_batch, row_generator
 from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
@@ -96,23 +98,32 @@ def test_rows_equal_prompts_decoded_alone(tiny_models, alone, case, continuous):
 
 class _Checked:
     """A batched drafter checked against one-sequence drafters on the same contexts: each row's proposal
-    (tree and tokens) must be theirs, every step (``compared``: rows compared whose draft is ≥ 2 deep)."""
+    (tree and tokens) must be theirs, every step (``compared``: rows compared whose draft is ≥ 2 deep). Each
+    reference drafter draws from a generator of its own, seeded as the loop seeds a joining row's from
+    ``seeds`` (a copy of the run's generator, in the same state): that is decoding its prompt alone, whatever
+    rows decode beside it and however much they draw (Lookahead's initial window)."""
 
-    def __init__(self, form, reference: PerRow) -> None:
-        self.form, self.ref = form, reference
+    def __init__(self, form, reference: PerRow, seeds: torch.Generator) -> None:
+        self.form, self.ref, self.seeds = form, reference, seeds
         self.needs_hidden_states = form.needs_hidden_states
         self.compared = 0
+        self.generators: list[torch.Generator] = []  # the reference rows' own, slot order
 
     def join(self, prompts):
         self.form.join(prompts)
         self.ref.join(prompts)
+        self.generators += [row_generator(self.seeds) for _ in prompts]
 
     def leave(self, slot):
         self.form.leave(slot)
         self.ref.leave(slot)
+        last = self.generators.pop()
+        if slot < len(self.generators):
+            self.generators[slot] = last
 
     def propose_batch(self, ctx):
-        got, want = self.form.propose_batch(ctx), self.ref.propose_batch(ctx)
+        alone = [replace(c, generator=g) for c, g in zip(ctx.rows, self.generators)]
+        got, want = self.form.propose_batch(ctx), self.ref.propose_batch(replace(ctx, rows=alone))
         for b in range(len(ctx.rows)):
             g, w = got.row(b), want.row(b)
             assert g.tree.parents == w.tree.parents and g.tokens.tolist() == w.tokens.tolist(), b
@@ -124,19 +135,20 @@ class _Checked:
         self.ref.feedback_batch(fb)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "autoregressive"
-                                  and not c.endswith("per_row")])
+@pytest.mark.parametrize("case", [c for c in CASES if c != "autoregressive"])
 def test_rows_draft_as_alone(tiny_models, alone, case):
     """A batched drafter proposes, for every row and step, the one-sequence drafter's draft of that row's
     context (the outputs above are the target's whatever the drafts: this checks the drafter itself, its
-    caches, positions and masks per row, at every depth)."""
+    caches, positions and masks per row, at every depth; per-row drafters that draw, Lookahead's initial
+    window: the row's own generator)."""
     method, tree = _method(case)
     cfg = TREE_CFG.get(case)
     opts = DecodeOptions(Verifier.greedy, GREEDY, MAX_NEW, eos_token_id=alone["eos"])
     make = lambda: build_drafter(method, tree, tiny_models, GREEDY, cfg)  # noqa: E731
-    checked = _Checked(batched(make(), 3), PerRow(make(), make))
-    out = decode_batch(BatchEngine(tiny_models.target, 3), checked, _prompts(), opts, torch.Generator(),
-                       continuous=True)
+    run = torch.Generator().manual_seed(7)
+    checked = _Checked(batched(make(), 3, make), PerRow(make(), make),
+                       torch.Generator().set_state(run.get_state()))
+    out = decode_batch(BatchEngine(tiny_models.target, 3), checked, _prompts(), opts, run, continuous=True)
     assert [r.token_ids for r in out.results] == alone["refs"]
     assert checked.compared >= 10
 
