@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from methods.core.drafter import BatchContext, BatchDraft, BatchDrafter, BatchFeedback, Drafter
+from methods.core.drafter import BatchContext, BatchDraft, BatchDrafter, BatchFeedback, Drafter, leave_slot
 
 
 class PerRow:
@@ -37,10 +37,7 @@ class PerRow:
             self.rows.append(d)
 
     def leave(self, slot: int) -> None:
-        self._free.append(self.rows[slot])
-        last = self.rows.pop()
-        if slot < len(self.rows):
-            self.rows[slot] = last
+        self._free.append(leave_slot(self.rows, slot))
 
     def propose_batch(self, ctx: BatchContext) -> BatchDraft:
         return BatchDraft.from_drafts([d.propose(c) for d, c in zip(self.rows, ctx.rows)])

@@ -21,7 +21,14 @@ import numpy as np
 import torch
 
 from methods.core.batch_engine import BatchEngine
-from methods.core.drafter import BatchContext, BatchDraft, BatchDrafter, BatchFeedback, DraftContext
+from methods.core.drafter import (
+    BatchContext,
+    BatchDraft,
+    BatchDrafter,
+    BatchFeedback,
+    DraftContext,
+    leave_slot,
+)
 from methods.core.loop import (
     DecodeOptions,
     DecodeResult,
@@ -183,9 +190,7 @@ def _leave(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], b: int,
     out.stats.merge(r.result.stats)
     target.remove(b)
     drafter.leave(b)
-    last = rows.pop()
-    if b < len(rows):
-        rows[b] = last
+    leave_slot(rows, b)
 
 
 def _limit(draft: BatchDraft, room: list[int]) -> BatchDraft:

@@ -250,6 +250,15 @@ class BatchDrafter(Protocol):
     def feedback_batch(self, fb: BatchFeedback) -> None: ...
 
 
+def leave_slot(rows: list, slot: int):
+    """A batch's per-row list after row ``slot`` left (BatchDrafter.leave's order: the last row moves into
+    its slot); returns the item that left."""
+    gone, last = rows[slot], rows.pop()
+    if slot < len(rows):
+        rows[slot] = last
+    return gone
+
+
 def root_only(root_token: int, device: torch.device | str = "cpu") -> Draft:
     """The empty proposal: the autoregressive step."""
     return Draft(Tree.chain(0), torch.tensor([root_token], dtype=torch.long, device=device))

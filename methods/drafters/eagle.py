@@ -31,6 +31,7 @@ from methods.core.drafter import (
     Draft,
     DraftContext,
     StepFeedback,
+    leave_slot,
     root_only,
 )
 from methods.core.fast_llama import packing_works
@@ -441,9 +442,7 @@ class BatchEagle:
 
     def leave(self, slot: int) -> None:
         self.cache.leave(slot)
-        last = self.has_last.pop()
-        if slot < len(self.has_last):
-            self.has_last[slot] = last
+        leave_slot(self.has_last, slot)
 
     def feedback_batch(self, fb: BatchFeedback) -> None:
         """Nothing to learn: the accepted tokens' features arrive in the next contexts."""

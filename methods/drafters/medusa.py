@@ -33,6 +33,7 @@ from methods.core.drafter import (
     Draft,
     DraftContext,
     StepFeedback,
+    leave_slot,
     root_only,
 )
 from methods.core.loop import kept_nodes, subtree
@@ -202,9 +203,7 @@ class BatchMedusa:
         self.h += [None] * len(prompts)
 
     def leave(self, slot: int) -> None:
-        last = self.h.pop()
-        if slot < len(self.h):
-            self.h[slot] = last
+        leave_slot(self.h, slot)
 
     def feedback_batch(self, fb: BatchFeedback) -> None:
         pass

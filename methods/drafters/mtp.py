@@ -28,6 +28,7 @@ from methods.core.drafter import (
     Draft,
     DraftContext,
     StepFeedback,
+    leave_slot,
     root_only,
 )
 from methods.core.loop import subtree
@@ -216,9 +217,7 @@ class BatchMTP:
         self.h += [None] * len(prompts)
 
     def leave(self, slot: int) -> None:
-        last = self.h.pop()
-        if slot < len(self.h):
-            self.h[slot] = last
+        leave_slot(self.h, slot)
 
     def feedback_batch(self, fb: BatchFeedback) -> None:
         """Nothing to learn: the next hidden states arrive in the next contexts."""

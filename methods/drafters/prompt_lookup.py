@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.core.drafter import BatchContext, BatchDraft, BatchFeedback, Draft, DraftContext, StepFeedback
+from methods.core.drafter import (
+    BatchContext,
+    BatchDraft,
+    BatchFeedback,
+    Draft,
+    DraftContext,
+    StepFeedback,
+    leave_slot,
+)
 from specsim.config import MethodConfig
 from specsim.tree import Tree
 
@@ -116,9 +124,7 @@ class BatchPromptLookup:
         self.rows += [NgramIndex(self.one.params) for _ in prompts]
 
     def leave(self, slot: int) -> None:
-        last = self.rows.pop()
-        if slot < len(self.rows):
-            self.rows[slot] = last
+        leave_slot(self.rows, slot)
 
     def propose_batch(self, ctx: BatchContext) -> BatchDraft:
         drafts = []
