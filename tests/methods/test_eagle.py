@@ -77,7 +77,11 @@ def _method(name: str, verifier=Verifier.greedy, **params) -> MethodConfig:
 DYNAMIC = TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=12, depth=4, top_k=3)
 
 
-@pytest.mark.parametrize("name,params", [("eagle", {}), ("eagle3", {"feature_layers": [0, 1]})])
+DRAFT_VOCAB = {"feature_layers": [0, 1], "train": {"draft_vocab": 64}}  # EAGLE-3, a reduced draft vocabulary
+
+
+@pytest.mark.parametrize("name,params", [("eagle", {}), ("eagle3", {"feature_layers": [0, 1]}),
+                                         ("eagle3", DRAFT_VOCAB)])
 def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, params):
     drafter = build_drafter(_method(name, **params), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
     assert isinstance(drafter, EagleDrafter) and drafter.dynamic is not None
