@@ -35,15 +35,17 @@ from methods.models import load_models  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
 
 
-def weights(target) -> dict[str, int]:
-    """Matmul weights (parameters read per row) of a target forward and of one EAGLE-1 / EAGLE-3 level."""
+def weights(target, draft_vocab: int | None = None) -> dict[str, int]:
+    """Matmul weights (parameters read per row) of a target forward and of one EAGLE-1 / EAGLE-3 level
+    (EAGLE-3's LM head: ``draft_vocab`` rows, default the target's vocabulary)."""
     c = target.config
     H, I, V, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    Vd = draft_vocab or V
     n, kv = c.num_attention_heads, c.num_key_value_heads
     attn, mlp = H * (n + 2 * kv) * d + n * d * H, 3 * H * I
     return {"target": c.num_hidden_layers * (attn + mlp) + H * V, "lm_head": H * V, "layer": attn + mlp,
             "eagle1_level": 2 * H * H + attn + mlp + H * V,  # fc(e ++ g) + the layer + the LM head
-            "eagle3_level": 2 * attn + mlp - (n * d * H) + H * V}  # 2H-wide q/k/v; fc only on committed rows
+            "eagle3_level": 2 * attn + mlp - (n * d * H) + H * Vd}  # 2H-wide q/k/v; fc only on committed rows
 
 
 def clock(fn, reps: int) -> float:
@@ -125,13 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             res[k].append(clock(fn, args.reps))
     t1 = statistics.median(res["t(1) target step"])
     print(f"{cfg.method.name} ({head.cfg.variant}), target {cfg.model.dtype}, head {p.dtype}, "
-          f"{args.threads} thread(s), context {ids.numel()}: thread CPU time, median of {args.rounds} rounds")
+          f"{args.threads} thread(s), context {ids.numel()}, draft vocabulary {head.cfg.draft_vocab_size}: "
+          f"thread CPU time, median of {args.rounds} rounds")
     for k, v in res.items():
         m = statistics.median(v)
         per = m / 3 if k.startswith("propose") else m
         tail = f"  = {per / t1:.3f} t(1) per level" if k.startswith("propose") else ""
         print(f"  {k:38} {m * 1e3:7.3f} ms  {m / t1:6.3f} t(1){tail}")
-    w = weights(models.target)
+    w = weights(models.target, head.cfg.draft_vocab_size)
     print("weights read per row: " + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in w.items()))
     print(f"  arithmetic ratio of a level: EAGLE-1 {w['eagle1_level'] / w['target']:.3f}, "
           f"EAGLE-3 {w['eagle3_level'] / w['target']:.3f} (LM head alone {w['lm_head'] / w['target']:.3f})")

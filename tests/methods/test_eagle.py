@@ -77,7 +77,11 @@ def _method(name: str, verifier=Verifier.greedy, **params) -> MethodConfig:
 DYNAMIC = TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=12, depth=4, top_k=3)
 
 
-@pytest.mark.parametrize("name,params", [("eagle", {}), ("eagle3", {"feature_layers": [0, 1]})])
+DRAFT_VOCAB = {"feature_layers": [0, 1], "train": {"draft_vocab": 64}}  # EAGLE-3, a reduced draft vocabulary
+
+
+@pytest.mark.parametrize("name,params", [("eagle", {}), ("eagle3", {"feature_layers": [0, 1]}),
+                                         ("eagle3", DRAFT_VOCAB)])
 def test_dynamic_tree_is_greedy_exact_and_within_budget(tiny_models, name, params):
     drafter = build_drafter(_method(name, **params), None, tiny_models, GREEDY, tree_cfg=DYNAMIC)
     assert isinstance(drafter, EagleDrafter) and drafter.dynamic is not None
@@ -428,3 +432,43 @@ def test_dynamic_drafter_counts_its_kept_nodes_outcomes(tiny_models):
     drafter.feedback(StepFeedback(Draft(tree, torch.arange(6)), (0, 1, 3), 7))
     np.testing.assert_array_equal(drafter.kept[0], [[1, 1, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(drafter.kept[1], [[1, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
+
+
+def test_eagle3_draft_vocabulary_is_the_most_frequent_train_tokens_and_q_stays_a_distribution(tiny_models):
+    """draft_vocab = Vd: the head's LM head covers the Vd most frequent tokens of the train stream (rows
+    from the target's, d2t mapping them back), its q is a distribution over those target ids only, and
+    training on p restricted to them lowers the loss."""
+    target = tiny_models.target
+    V, Vd = target.config.vocab_size, 16
+    g = torch.Generator().manual_seed(3)
+    frequent = torch.randperm(V, generator=g)[:Vd]  # tokens 20x as likely as the rest
+    weights = torch.ones(V).index_fill(0, frequent, 20.0)
+    toks = torch.multinomial(weights, 4000, replacement=True, generator=g)
+    cfg = EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), steps=0, train_windows=8, seq_len=24,
+                           batch_windows=4, ttt_steps=1, noise=0.0, draft_vocab=Vd)
+    head = train(target, toks, cfg).head
+    ids = head.draft_ids()
+    assert head.cfg.draft_vocab_size == Vd and ids.tolist() == sorted(frequent.tolist())
+    torch.testing.assert_close(head.lm_head, target.get_output_embeddings().weight[ids].float())
+    with torch.no_grad():
+        q = head.logits(torch.randn(5, head.cfg.hidden_size, generator=g)).softmax(-1)
+    torch.testing.assert_close(q.sum(-1), torch.ones(5))
+    outside = torch.ones(V, dtype=torch.bool).index_fill(0, ids, False)
+    assert (q[:, outside] == 0).all() and (q[:, ids] > 0).all()
+    r = train(target, toks, EagleTrainConfig(**{**cfg.__dict__, "steps": 30, "lr": 3e-3}))
+    assert all(np.isfinite(r.losses)) and sum(r.losses[-5:]) < sum(r.losses[:5])
+
+
+def test_draft_vocab_enters_the_cache_key_only_when_set_and_bad_sizes_are_refused(tiny_models):
+    base = EagleTrainConfig(variant="eagle3", feature_layers=(0, 1))
+    assert "draft_vocab" not in base.to_dict()  # heads cached before the field keep their key
+    sized = EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), draft_vocab=8)
+    assert sized.to_dict()["draft_vocab"] == 8
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), draft_vocab=bad)
+    with pytest.raises(ValueError, match="eagle3"):
+        EagleTrainConfig(draft_vocab=8)
+    too_big = EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), draft_vocab=10**6)
+    with pytest.raises(ValueError, match="<= the target's vocabulary"):
+        too_big.head_config(tiny_models.target)

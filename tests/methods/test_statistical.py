@@ -100,8 +100,12 @@ def test_first_tokens_follow_the_target(small_vocab_models, laws, case):
 
 
 # registry drafters with their own q (a head on the target's features), untrained: q differs from p. EAGLE-3
-# samples through the same code (~1 min per case on the loaded 2-core machine: only these two)
-HEAD_DRAFTERS = {"eagle": {"head": "random"}}
+# samples through the same code (~1 min per case on the loaded 2-core machine); its reduced draft vocabulary
+# (half the target's: q is 0 on the other ids, so target-only tokens reach the output through the residual)
+# is the one EAGLE-3 path of its own
+HEAD_DRAFTERS = {"eagle": ("eagle", {"head": "random"}),
+                 "eagle3-draft-vocab": ("eagle3", {"head": "random", "feature_layers": [0],
+                                                   "train": {"draft_vocab": 24}})}
 
 
 @pytest.mark.slow
@@ -110,7 +114,8 @@ HEAD_DRAFTERS = {"eagle": {"head": "random"}}
 def test_head_drafters_follow_the_target(small_vocab_models, laws, drafter, case):
     """Children sampled from the head's q (with / without replacement), q rows returned: lossless."""
     verifier, tree, sampling = LOSSLESS[case]
-    tokens = sampled_tokens(small_vocab_models, verifier, tree, sampling, drafter, HEAD_DRAFTERS[drafter])
+    name, params = HEAD_DRAFTERS[drafter]
+    tokens = sampled_tokens(small_vocab_models, verifier, tree, sampling, name, params)
     for i, law in enumerate(laws(sampling)):
         pvalue = chi2_pvalue(tokens[:, i], law)
         assert pvalue > 1e-4, f"{drafter} token {i + 1}: p-value {pvalue:.2e}"

@@ -180,11 +180,20 @@ class EagleHead(nn.Module):
         c = self.cfg
         if c.variant == "eagle1":
             return self._head_logits(g)
-        z = self._head_logits(rms_norm(g, self.norm, c.rms_eps))  # (..., Vd)
+        z = self.draft_logits(g)  # (..., Vd)
         if c.draft_vocab_size == c.vocab_size and not self.d2t.any():
             return z
         out = z.new_full((*z.shape[:-1], c.vocab_size), float("-inf"))
         return out.index_copy(-1, torch.arange(c.draft_vocab_size, device=z.device) + self.d2t, z)
+
+    def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's logits over its draft vocabulary (..., Vd): draft id i is target id i + d2t[i]."""
+        return self._head_logits(rms_norm(g, self.norm, self.cfg.rms_eps))
+
+    def draft_ids(self) -> torch.Tensor:
+        """(Vd,) the target ids of the draft vocabulary (EAGLE-1: all V)."""
+        ids = torch.arange(self.cfg.draft_vocab_size, device=self.lm_head.device)
+        return ids + self.d2t if self.cfg.variant == "eagle3" else ids
 
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.packed.get("lm_head")

@@ -10,6 +10,11 @@ so no (T, V) table is stored).
   previous-step output for row i-1 in place of the target's feature, attending as a depth-s draft node does
   (the target-fed rows up to i-s, its own ancestors on the diagonals); L = Σ_s decay^s CE(p, q_s), no
   feature loss. ``rollout`` is also how per-depth held-out accuracy is measured.
+- EAGLE-3 draft vocabulary (``draft_vocab`` > 0): the head's LM head covers only the ``draft_vocab`` most
+  frequent target tokens of the train stream (the published design's reduced vocabulary, d2t: target id =
+  draft id + d2t), initialised from the target's rows; the loss is CE(p restricted to the draft vocabulary
+  and renormalised, q over the draft vocabulary). At draft time q is a proper distribution over those ids
+  (EagleHead.logits: -inf elsewhere); verification by the target keeps decoding lossless.
 """
 
 from __future__ import annotations
@@ -51,16 +56,28 @@ class EagleTrainConfig:
     # weight of the feature regression SmoothL1(g, f_{i+1}) of rollout step 0; None = the variant's: EAGLE-1
     # 1.0, EAGLE-3 0.0 (the paper drops it)
     feature_weight: float | None = None
+    # eagle3: LM-head rows = the most frequent target tokens of the train stream (EAGLE-3's reduced draft
+    # vocabulary); 0 = the target's full vocabulary
+    draft_vocab: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         assert self.variant in ("eagle1", "eagle3"), self.variant
         assert self.variant == "eagle1" or len(self.feature_layers) >= 1, "eagle3 needs feature_layers"
         assert self.fuse_init in ("top", "random"), f"unknown fuse_init {self.fuse_init!r}"
+        if not (isinstance(self.draft_vocab, int) and self.draft_vocab >= 0):
+            raise ValueError(f"method.params.train.draft_vocab must be an int >= 0 (0 = the target's "
+                             f"vocabulary), got {self.draft_vocab!r}")
+        if self.draft_vocab and self.variant != "eagle3":
+            raise ValueError("method.params.train.draft_vocab: a draft vocabulary is EAGLE-3's (eagle3 only)")
 
     def head_config(self, target: PreTrainedModel) -> EagleConfig:
         layers = self.feature_layers if self.variant == "eagle3" else ()
-        return EagleConfig.for_target(target, self.variant, layers)
+        vocab = target.config.vocab_size
+        if self.draft_vocab > vocab:
+            raise ValueError(f"method.params.train.draft_vocab must be <= the target's vocabulary ({vocab}), "
+                             f"got {self.draft_vocab}")
+        return EagleConfig.for_target(target, self.variant, layers, self.draft_vocab or None)
 
     def to_dict(self) -> dict:
         """The recipe (cache keys): fields added later are left out where they do not apply or keep the
@@ -70,6 +87,8 @@ class EagleTrainConfig:
             d.pop("fuse_init")
         if self.feature_weight is None or self.feature_weight == self.feature_loss_weight_default:
             d.pop("feature_weight")
+        if not self.draft_vocab:
+            d.pop("draft_vocab")
         return d
 
     @property
@@ -94,6 +113,22 @@ def new_head(target: PreTrainedModel, cfg: EagleConfig, seed: int = 0) -> EagleH
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     lm = target.get_output_embeddings().weight.detach().float().cpu()
     return EagleHead(cfg, embed, lm)
+
+
+def most_frequent(tokens: torch.Tensor, size: int, vocab: int) -> torch.Tensor:
+    """(size,) ascending target ids of the ``size`` most frequent tokens of the stream (ties: lower id)."""
+    counts = torch.bincount(tokens.reshape(-1).long(), minlength=vocab)[:vocab]
+    order = torch.sort(-counts, stable=True).indices  # by count, ties by id
+    return order[:size].sort().values
+
+
+@torch.no_grad()
+def set_draft_vocabulary(head: EagleHead, ids: torch.Tensor, target_lm: torch.Tensor) -> None:
+    """EAGLE-3's draft vocabulary = target ids ``ids`` (ascending, Vd of them): d2t and the LM head's rows
+    from the target's."""
+    assert len(ids) == head.cfg.draft_vocab_size and bool((ids[1:] > ids[:-1]).all())
+    head.d2t.copy_(ids - torch.arange(len(ids)))
+    head.lm_head.copy_(target_lm[ids].to(head.lm_head.dtype))
 
 
 def init_fusion(head: EagleHead) -> None:
@@ -159,6 +194,8 @@ class Batch:
 
 
 def make_batch(feats: trainer.Features, windows: torch.Tensor, idx: torch.Tensor, lm: torch.Tensor) -> Batch:
+    """``lm`` (rows, H): the target's LM-head rows of the vocabulary the head is scored on (EAGLE-3: its
+    draft vocabulary, so that p is the target's law restricted to it and renormalised)."""
     src = feats.layers if feats.layers is not None else feats.hidden
     f_next = feats.hidden[idx, 1:]
     return Batch(src[idx, :-1], windows[idx, 1:], f_next, f_next @ lm.T)
@@ -173,8 +210,9 @@ def loss(head: EagleHead, b: Batch, cfg: EagleTrainConfig) -> torch.Tensor:
     outs = rollout(head, h0, b.tokens, cfg.ttt_steps)
     weight = cfg.ce_weight if cfg.variant == "eagle1" else 1.0
     total = h0.new_zeros((), dtype=torch.float32)
+    scores = head.logits if cfg.variant == "eagle1" else head.draft_logits  # over p's vocabulary
     for s, g in enumerate(outs):
-        total = total + weight * cfg.step_decay**s * _soft_ce(head.logits(g), b.p_logits)[:, s:].mean()
+        total = total + weight * cfg.step_decay**s * _soft_ce(scores(g), b.p_logits)[:, s:].mean()
     if cfg.feature_loss_weight:
         total = total + cfg.feature_loss_weight * F.smooth_l1_loss(outs[0].float(), b.f_next.float())
     return total
@@ -189,10 +227,13 @@ def train(target: PreTrainedModel, tokens: torch.Tensor, cfg: EagleTrainConfig) 
         head.lm_head.requires_grad_(cfg.train_lm_head)
         if cfg.fuse_init == "top":
             init_fusion(head)
+    target_lm = target.get_output_embeddings().weight.detach().float()
+    if cfg.draft_vocab:
+        set_draft_vocabulary(head, most_frequent(tokens, cfg.draft_vocab, head.cfg.vocab_size), target_lm)
     windows = sample_batch(tokens, cfg.train_windows, cfg.seq_len, g)  # (N, T)
     layers = head.cfg.feature_layers if cfg.variant == "eagle3" else ()
     feats = trainer.target_features(target, windows, layers, desc=f"{cfg.variant}: target features")
-    lm = head.lm_head if cfg.variant == "eagle1" else target.get_output_embeddings().weight.detach().float()
+    lm = head.lm_head if cfg.variant == "eagle1" else target_lm[head.draft_ids()]
 
     def batch(gen: torch.Generator) -> Batch:
         idx = torch.randint(0, len(windows), (cfg.batch_windows,), generator=gen)
