@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from methods.heads.eagle.head import EagleHead
+from methods.heads.eagle.state import grow_ancestors
 
 
 class BatchHeadCache:
@@ -125,13 +126,7 @@ class BatchHeadCache:
         res, q, k, v = head.project(h, tokens, pos)
         ar = np.arange(b)
         self._write(np.repeat(ar, f), (lens[:, None] + P + np.arange(f)).reshape(-1), k, v)
-        grown = np.zeros((P + f, P + f), dtype=bool)
-        grown[:P, :P] = self.anc
-        has = parents >= 0
-        if P and has.any():
-            grown[P:][has, :P] = self.anc[parents[has]]
-        grown[np.arange(P, P + f), np.arange(P, P + f)] = True
-        self.anc = grown
+        self.anc = grown = grow_ancestors(self.anc, parents)
         cols = np.arange(width)
         mask = np.where(cols[None] < lens[:, None], np.float32(0), np.float32(-np.inf))  # (B, W) committed
         mask = np.repeat(mask[:, None], f, 1)  # (B, f, W)

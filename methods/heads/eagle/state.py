@@ -78,12 +78,7 @@ class HeadCache:
         g (n, H); the rows become pending (rows P..P+n-1)."""
         L, P, n = self.length, self.pending, h.shape[0]
         parents = parents.cpu().numpy() if torch.is_tensor(parents) else np.asarray(parents)
-        grown = np.zeros((P + n, P + n), dtype=bool)  # (P + n, P + n): the new rows' ancestors, then self
-        grown[:P, :P] = self.anc
-        has = parents >= 0
-        if P and has.any():
-            grown[P:][has, :P] = self.anc[parents[has]]
-        grown[np.arange(P, P + n), np.arange(P, P + n)] = True
+        grown = grow_ancestors(self.anc, parents)
         mask = np.zeros((n, L + P + n), dtype=np.float32)  # committed rows visible; pending: ancestors only
         mask[:, L:][~grown[P:]] = -np.inf
         g = self._rows(h, tokens, self._rope[L - 1 + depth, None], mask)  # written after the P pending rows
@@ -118,6 +113,20 @@ class HeadCache:
 
     def drop_pending(self) -> None:
         self.anc = np.zeros((0, 0), dtype=bool)
+
+
+def grow_ancestors(anc: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """The pending rows' (P + n, P + n) ancestor-or-self relation after n new rows whose ``parents`` (n,) are
+    pending rows (-1: a child of the root, no pending ancestor): ``anc`` (P, P), then each new row's
+    parent's ancestors, then itself."""
+    P, n = anc.shape[0], parents.shape[0]
+    grown = np.zeros((P + n, P + n), dtype=bool)
+    grown[:P, :P] = anc
+    has = parents >= 0
+    if P and has.any():
+        grown[P:][has, :P] = anc[parents[has]]
+    grown[np.arange(P, P + n), np.arange(P, P + n)] = True
+    return grown
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
