@@ -35,7 +35,7 @@ from methods.core.drafter import (
     root_only,
 )
 from methods.core.fast_llama import packing_works
-from methods.core.loop import subtree
+from methods.core.loop import limit_depth, subtree
 from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.drafters.params import checked_params
 from methods.heads.eagle.batch_state import BatchHeadCache
@@ -483,16 +483,8 @@ class BatchEagle:
         ids = torch.from_numpy(tokens)
         if all(x == depth for x in depths):
             return BatchDraft(ids, [tree])
-        drafts = []
-        for i, x in enumerate(depths):
-            if x < 1:
-                drafts.append(root_only(int(ctx.roots[i])))
-            elif x == depth:
-                drafts.append(Draft(tree, ids[i]))
-            else:
-                keep = np.flatnonzero(tree.depths <= x)
-                drafts.append(Draft(_cut(tree, x), ids[i, torch.from_numpy(keep)]))
-        return BatchDraft.from_drafts(drafts)
+        return BatchDraft.from_drafts([limit_depth(Draft(tree, ids[i]), x) if x >= 1 else root_only(int(r))
+                                       for i, (x, r) in enumerate(zip(depths, ctx.roots))])
 
     def _catch_up(self, ctx: BatchContext) -> None:
         """Append each row's committed rows not yet in the head's cache (features of x_j paired with
