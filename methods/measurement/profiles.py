@@ -563,8 +563,13 @@ def dynamic_draft_s(profile: Profile, shapes) -> float | None:
 def _with_draft(base: dict[str, Any], draft_s: float) -> dict[str, Any]:
     """``base`` with its draft term replaced by ``draft_s`` (seconds per speculation step); the former one
     kept as ``predicted_t_draft_levels_s`` (a metrics.json key: the levels' pricing, for comparison)."""
-    step, ar = draft_s + base["t_verify_s"], base["t_ar_s"]
-    return {**base, "t_draft_s": draft_s, "t_step_s": step, "predicted_t_draft_levels_s": base["t_draft_s"],
+    return {**_restep(base, draft_s, base["t_verify_s"]), "predicted_t_draft_levels_s": base["t_draft_s"]}
+
+
+def _restep(base: dict[str, Any], draft_s: float, verify_s: float) -> dict[str, Any]:
+    """``base`` with its step priced as ``draft_s`` + ``verify_s`` (τ and tokens per forward unchanged)."""
+    step, ar = draft_s + verify_s, base["t_ar_s"]
+    return {**base, "t_draft_s": draft_s, "t_verify_s": verify_s, "t_step_s": step,
             "predicted_speedup": base["predicted_tau"] * ar / step,
             "predicted_decode_speedup": base["tokens_per_forward"] * ar / step}
 
@@ -606,10 +611,7 @@ def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callab
     """``base`` with its verify priced on the law of the draft's size, E[verify_s(n)], instead of the full
     tree's; τ is the tree's (a short draft is a rejection at its end, as the calibration counted it)."""
     verify = sum(p * float(verify_s(n)) for n, p in law.items())
-    step, ar = base["t_draft_s"] + verify, base["t_ar_s"]
-    return {**base, "t_verify_s": verify, "t_step_s": step,
-            "predicted_speedup": base["predicted_tau"] * ar / step,
-            "predicted_decode_speedup": base["tokens_per_forward"] * ar / step,
+    return {**_restep(base, base["t_draft_s"], verify),
             "predicted_mean_verify_tokens": sum(n * p for n, p in law.items())}
 
 
