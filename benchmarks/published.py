@@ -59,22 +59,41 @@ def rows(names: list[str] | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[str, Any]]:
-    """MagicDec's speedup vs batch size per (context, α) on its 8-GPU tensor-parallel setting
-    (specsim.magicdec), NaN where the batch's KV cache does not fit; and per context the α at which the best
-    batch reaches the published maximum. No error row: acceptance is swept, not published (see the yaml)."""
+def _magicdec_cost(d: dict[str, Any]) -> Any:
+    """MagicDec's batch cost model: the target on its hardware, tensor parallel over ``tp`` GPUs
+    (specsim.batch)."""
     from dataclasses import replace
 
     from run import compose_run_config
     from specsim.batch import BatchRoofline
     from specsim.cost import ModelShape
+
+    cfg = compose_run_config(f"model={d['model']}", f"hardware={d['hardware']}", "task=simulate")
+    hw = cfg.hardware
+    return replace(BatchRoofline.from_config(hw, ModelShape.target(cfg.model), 0), tp=int(d["tp"]),
+                   link=d["nvlink_gbs"] * 1e9, memory_bytes=hw.memory_gb * 1e9)
+
+
+def alpha_reaching(speedup_of: Any, target: float, steps: int = 40) -> float:
+    """The α in (0, 0.999) at which ``speedup_of(α)`` (rising in α) reaches ``target`` (bisection); NaN when
+    even α = 0.999 falls short."""
+    lo, hi = 0.0, 0.999
+    if speedup_of(hi) < target:
+        return math.nan
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if speedup_of(mid) < target else (lo, mid)
+    return round(0.5 * (lo + hi), 3)
+
+
+def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[str, Any]]:
+    """MagicDec's speedup vs batch size per (context, α) on its 8-GPU tensor-parallel setting
+    (specsim.magicdec), NaN where the batch's KV cache does not fit; and per context the α at which the best
+    batch reaches the published maximum. A sweep: this model's acceptance is not published (the yaml)."""
     from specsim.magicdec import self_spec_speedup
 
     d = load_yaml(path)
-    cfg = compose_run_config(f"model={d['model']}", f"hardware={d['hardware']}", "task=simulate")
-    hw = cfg.hardware
-    cost = replace(BatchRoofline.from_config(hw, ModelShape.target(cfg.model), 0), tp=int(d["tp"]),
-                   link=d["nvlink_gbs"] * 1e9, memory_bytes=hw.memory_gb * 1e9)
+    cost = _magicdec_cost(d)
 
     def best(context: int, alpha: float) -> float:
         return max(self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha)
@@ -82,17 +101,36 @@ def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[st
 
     out = []
     for context in d["contexts"]:
-        lo, hi = 0.0, 0.999  # α at which the best batch reaches the published figure (bisection)
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if best(context, mid) < d["published_max_speedup"] else (lo, mid)
+        needed = alpha_reaching(lambda a, c=context: best(c, a), d["published_max_speedup"])
         for alpha in d["alphas"]:
-            row = {"context": context, "alpha": alpha, "alpha_for_published": round(0.5 * (lo + hi), 3)}
+            row = {"context": context, "alpha": alpha, "alpha_for_published": needed}
             for b in d["batches"]:
                 fits = cost.fits(b, context)
                 row[f"B={b}"] = self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha) \
                     if fits else math.nan
             out.append(row)
+    return out
+
+
+def magicdec_rows(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[str, Any]]:
+    """The published per-batch speedups (the yaml's ``rows``) beside the prediction at the stand-in α for the
+    row's context, with the error, and the α the published speedup needs on this cost model."""
+    from specsim.magicdec import self_spec_speedup
+
+    d = load_yaml(path)
+    cost = _magicdec_cost(d)
+    out = []
+    for r in d["rows"]:
+        ctx, b, g = int(r["context"]), int(r["batch"]), int(r["gamma"])
+        assert cost.fits(b, ctx), f"MagicDec row {r} does not fit the modelled memory"
+        alpha = float(d["stand_in_alpha"][ctx])
+        def speedup_at(a: float, b: int = b, ctx: int = ctx, g: int = g) -> float:
+            return self_spec_speedup(cost, b, ctx, d["budget"], g, a)
+
+        published, pred = float(r["speedup"]), speedup_at(alpha)
+        out.append({"context": ctx, "batch": b, "gamma": g, "published": published, "stand_in_alpha": alpha,
+                    "predicted": pred, "error": (pred - published) / published,
+                    "alpha_for_published": alpha_reaching(speedup_at, published)})
     return out
 
 
@@ -143,15 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(count_kernels(), indent=1))
         return 0
     if args.magicdec:
-        table = magicdec()
-        keys = list(table[0])
-        print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
         def cell(v: Any) -> str:
             if isinstance(v, float):
                 return "–" if math.isnan(v) else f"{v:.2f}"
             return str(v)
-        for r in table:
-            print("| " + " | ".join(cell(v) for v in r.values()) + " |")
+
+        for table in (magicdec(), magicdec_rows()):
+            keys = list(table[0])
+            print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+            for r in table:
+                print("| " + " | ".join(f"{100 * v:+.0f}%" if k == "error" else cell(v) for k, v in r.items())
+                      + " |")
+            print()
         return 0
     table = rows(args.papers)
     print(markdown(table))

@@ -105,6 +105,52 @@ def test_magicdec_curve(capsys):
     assert runner.main(["--magicdec"]) == 0 and "alpha_for_published" in capsys.readouterr().out
 
 
+def test_magicdec_published_rows():
+    """Every per-batch figure of MagicDec's page is priced: it fits the modelled memory, its stand-in α is the
+    published table's for its context, the error is (predicted − published) / published, and the α the
+    published speedup needs lies in (0, 1) and reproduces it."""
+    from specsim.magicdec import self_spec_speedup
+
+    runner = _runner()
+    spec = yaml.safe_load((PUBLISHED / "batch" / "magicdec.yaml").read_text())
+    rows = runner.magicdec_rows()
+    assert [(r["context"], r["batch"]) for r in rows] == [(r["context"], r["batch"]) for r in spec["rows"]]
+    cost = runner._magicdec_cost(spec)
+    for r in rows:
+        assert r["stand_in_alpha"] == spec["stand_in_alpha"][r["context"]]
+        assert r["error"] == pytest.approx((r["predicted"] - r["published"]) / r["published"])
+        assert 0 < r["alpha_for_published"] < 1
+        again = self_spec_speedup(cost, r["batch"], r["context"], spec["budget"], r["gamma"],
+                                  r["alpha_for_published"])
+        assert again == pytest.approx(r["published"], rel=0.01)
+
+
+def test_alpha_reaching_is_nan_out_of_reach():
+    runner = _runner()
+    assert runner.alpha_reaching(lambda a: 1.0 + a, 1.5) == pytest.approx(0.5, abs=1e-3)
+    assert math.isnan(runner.alpha_reaching(lambda a: 1.0 + a, 3.0))
+
+
+def test_acceptance_inputs_are_published():
+    """No row of EAGLE or Medusa runs on a method preset's guessed acceptance: each gives a published τ that α
+    is solved from (Medusa-1's rows once ran on method=medusa's guess, α 0.6 / decay 0.8)."""
+    for stem in ("eagle", "medusa"):
+        paper = _paper(stem)
+        for row in paper["rows"]:
+            s = setting_from(paper, RUNTIMES, row)
+            assert s.tau is not None and s.tau == row["published"]["tau"], row["id"]
+
+
+@pytest.mark.parametrize(("index", "nodes"), [(0, 128), (1, 128), (2, 64), (3, 64)])
+def test_sequoia_on_chip_rows_use_the_published_tree_size(run_config, index, nodes):
+    """The A100 rows price a tree of the size of the growmap Sequoia's repository ships for them (128 nodes
+    for Llama-2-7B, 64 for Llama-2-13B), not the simulator's own pick."""
+    paper = _paper("sequoia")
+    row = paper["rows"][index]
+    cfg = run_config(f"experiment={paper['experiment_default']}", "task=simulate", *row["overrides"])
+    assert forecast(cfg, setting_from(paper, RUNTIMES, row)).tree_size == nodes
+
+
 def test_published_figures_agree_with_each_other():
     """Where a source gives time per token with and without speculation, their ratio is its speedup (a typo in
     a transcribed figure shows here)."""
