@@ -121,10 +121,19 @@ def grow_ancestors(anc: np.ndarray, parents: np.ndarray) -> np.ndarray:
     new row's parent's ancestors, then itself. Leading axes (a batch's rows, each with its own relation)
     broadcast: an ``anc`` shared by every row grows into one per row when ``parents`` differ per row."""
     P, n = anc.shape[-1], parents.shape[-1]
+    has = parents >= 0
+    # one relation (one sequence, or rows drafting one tree): plain indexing, ~13 against ~38 µs a level for
+    # the broadcast form below (P = 6, n = 4; a one-sequence EAGLE draft runs it every level)
+    if anc.ndim == 2 and parents.ndim == 1:
+        grown = np.zeros((P + n, P + n), dtype=bool)
+        grown[:P, :P] = anc
+        if P and has.any():
+            grown[P:][has, :P] = anc[parents[has]]
+        grown[np.arange(P, P + n), np.arange(P, P + n)] = True
+        return grown
     lead = np.broadcast_shapes(anc.shape[:-2], parents.shape[:-1])
     grown = np.zeros((*lead, P + n, P + n), dtype=bool)
     grown[..., :P, :P] = anc
-    has = parents >= 0
     if P and has.any():
         index = np.broadcast_to(parents.clip(0), (*lead, n))[..., None]  # (..., n, 1): the parents' rows
         rows = np.take_along_axis(np.broadcast_to(anc, (*lead, P, P)), index, -2)  # (..., n, P)
