@@ -1,10 +1,12 @@
-"""Batched MTP and EAGLE-1 against the same drafters run per row (issue 16), and against batched
+"""Batched MTP and EAGLE-1/2/3 against the same drafters run per row (issue 16), and against batched
 autoregressive decoding, interleaved in one process (A B C A B C ...): decode tok/s, τ and the drafter's CPU
 time per row and step, for each method's batched form (methods.drafters.mtp.BatchMTP,
-methods.drafters.eagle.BatchEagle) and methods.core.batch_drafter.PerRow (one drafter per row, what
-these drafters had before). Also checks that both forms give every row the same tokens.
+methods.drafters.eagle.BatchEagle: static trees, EAGLE-2's dynamic trees, EAGLE-3's fused features) and
+methods.core.batch_drafter.PerRow (one drafter per row, what these drafters had before). Also checks that
+both forms give every row the same tokens.
 
     python benchmarks/batch_heads.py --batch-sizes 4,16 --reps 2      # zoo, bf16, the presets' heads
+    python benchmarks/batch_heads.py --methods eagle2,eagle3          # the dynamic trees (the presets')
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A drafter with a batched path says so with ``batched(max_rows)`` (the autoregressive baseline, the draft
 model on its own BatchEngine, prompt lookup, Medusa's heads on the batch's hidden states, MTP's modules and
-EAGLE-1's head over the rows); ``batched`` returning None means "not in this configuration" (EAGLE-2's
-dynamic trees, sampled EAGLE candidates): per row. Any other drafter
+the EAGLE-1/2/3 head over the rows); ``batched`` returning None means "not in this configuration" (sampled
+EAGLE candidates): per row. Any other drafter
 whose state is its own (no shared engine with the target: not ``attach``) is batched by ``PerRow``: one
 instance per row, built by a factory, proposing one after the other — correct, not faster than B drafters.
 """
@@ -26,6 +26,7 @@ class PerRow:
             raise ValueError(f"{type(first).__name__} drafts on the target's own engine (attach): it cannot "
                              "run per row of a batch")
         self.needs_hidden_states = bool(getattr(first, "needs_hidden_states", False))
+        self.feature_layers = tuple(getattr(first, "feature_layers", ()))
         self.make = make
         self.rows: list[Drafter] = []
         self._free: list[Drafter] = [first]

@@ -36,6 +36,9 @@ from specsim.tree import Tree
 class BatchOut:
     logits: torch.Tensor  # (B, n, V) float32 (prefill with last_only: (B, 1, V))
     hidden: torch.Tensor | None  # (B, n, H) last-layer hidden states after the final norm, when asked
+    # (B, n, k H) outputs of the k asked decoder ``layers``, concatenated in their order (the last layer's
+    # after the final norm, as methods.core.engine.ModelEngine's ``features``), when asked
+    features: torch.Tensor | None = None
 
 
 class _RowsLayer(DynamicLayer):
@@ -112,10 +115,11 @@ class BatchEngine:
       ``add(k) -> slot``: k new empty rows at the end (slots B..B+k-1); ``remove(slot)``: the row leaves, the
       last row moves into ``slot``; ``rows``: B active rows; ``lengths``: committed tokens per row (host);
       ``prefill(ids, rows=None) -> BatchOut``: committed prompts (list of (T_b,) tensors, ragged) appended to
-      the rows ``rows`` (a slice; default all); ``forward(tokens, anc, depths, hidden=False) -> BatchOut``:
+      the rows ``rows`` (a slice; default all); ``forward(tokens, anc, depths, hidden=False, layers=())``:
       ONE forward of n pending nodes on every active row (tokens (B, n), ancestor-or-self masks (B or 1, n,
-      n) bool, depths (B or 1, n)); ``forward_trees(tokens, trees)``: the same from per-row ``Tree``s padded
-      to the largest; ``extend(tokens, anc (B or 1, n, P + n), depths)``: n more pending nodes after the P
+      n) bool, depths (B or 1, n); ``layers``: decoder layers whose outputs come back as ``features``, as
+      ModelEngine's); ``forward_trees(tokens, trees)``: the same from per-row ``Tree``s padded to the
+      largest; ``extend(tokens, anc (B or 1, n, P + n), depths)``: n more pending nodes after the P
       pending ones (a draft tree level by level); ``commit(paths)``: keep each row's accepted pending nodes
       (ascending, root first), drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes
       of each row (chains).
@@ -211,13 +215,14 @@ class BatchEngine:
 
     # ---- forwards --------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[torch.Tensor], rows: slice | None = None, hidden: bool = False
-                ) -> BatchOut | None:
+    def prefill(self, ids: Sequence[torch.Tensor], rows: slice | None = None, hidden: bool = False,
+                layers: tuple[int, ...] = ()) -> BatchOut | None:
         """Append committed tokens (one (T_b,) tensor per row of ``rows``, ragged; T_b may be 0) causally;
         logits at each row's last token ((b, 1, V); rows with T_b = 0: garbage), and the hidden states of all
-        (b, max T, H) if asked. None when every row's ids are empty. The rows run in consecutive groups of
-        at most ``prefill_tokens`` padded tokens per forward (``prefill_groups``): rows do not see each
-        other, so each row's result is the same whichever group it is in."""
+        (b, max T, H) if asked, the features of ``layers`` (b, max T, k H) if any. None when every row's ids
+        are empty. The rows run in consecutive groups of at most ``prefill_tokens`` padded tokens per forward
+        (``prefill_groups``): rows do not see each other, so each row's result is the same whichever group
+        it is in."""
         assert self.pending == 0, "commit pending nodes before a prefill"
         rows = rows or slice(0, self.rows)
         counts = [int(x.numel()) for x in ids]
@@ -226,21 +231,28 @@ class BatchEngine:
         if n == 0:
             return None
         groups = prefill_groups(counts, self.prefill_tokens)
-        outs = {(a, b): self._prefill(ids[a:b], counts[a:b], slice(rows.start + a, rows.start + b), hidden)
+        outs = {(a, b): self._prefill(ids[a:b], counts[a:b], slice(rows.start + a, rows.start + b), hidden,
+                                      layers)
                 for a, b in groups if max(counts[a:b]) > 0}
         one = next(iter(outs.values()))
         for a, b in groups:  # a group of empty rows only (no forward): zeros, garbage as for such rows
             if (a, b) not in outs:
-                h = None if one.hidden is None else one.hidden.new_zeros(b - a, 0, one.hidden.shape[2])
-                outs[a, b] = BatchOut(one.logits.new_zeros(b - a, *one.logits.shape[1:]), h)
+                h, f = (None if x is None else x.new_zeros(b - a, 0, x.shape[2])
+                        for x in (one.hidden, one.features))
+                outs[a, b] = BatchOut(one.logits.new_zeros(b - a, *one.logits.shape[1:]), h, f)
         parts = [outs[g] for g in groups]
-        logits = torch.cat([o.logits for o in parts]) if len(parts) > 1 else one.logits
-        if not hidden:
-            return BatchOut(logits, None)
-        pad = [torch.nn.functional.pad(o.hidden, (0, 0, 0, n - o.hidden.shape[1])) for o in parts]
-        return BatchOut(logits, torch.cat(pad) if len(parts) > 1 else one.hidden)
+        if len(parts) == 1:
+            return one
 
-    def _prefill(self, ids: Sequence[torch.Tensor], counts: list[int], rows: slice, hidden: bool) -> BatchOut:
+        def rows_of(xs: list[torch.Tensor | None]) -> torch.Tensor | None:  # padded to the longest group
+            return None if xs[0] is None else torch.cat(
+                [torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[1])) for x in xs])
+
+        return BatchOut(torch.cat([o.logits for o in parts]), rows_of([o.hidden for o in parts]),
+                        rows_of([o.features for o in parts]))
+
+    def _prefill(self, ids: Sequence[torch.Tensor], counts: list[int], rows: slice, hidden: bool,
+                 layers: tuple[int, ...]) -> BatchOut:
         """One causal forward of the rows ``rows`` (ids padded to the longest; pads see all before them and
         are never committed)."""
         n = max(counts)
@@ -251,40 +263,43 @@ class BatchEngine:
         causal = np.tri(n, dtype=bool)[None]  # pads see all before
         depths = self._host_arange[:n][None]
         out = self._run(tokens.to(self.device), causal, depths, rows, hidden,
-                        last=torch.tensor([max(c - 1, 0) for c in counts], device=self.device))
+                        last=torch.tensor([max(c - 1, 0) for c in counts], device=self.device), layers=layers)
         self._commit_counts(counts, rows)
         return out
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
-                hidden: bool = False) -> BatchOut:
+                hidden: bool = False, layers: tuple[int, ...] = ()) -> BatchOut:
         """ONE forward of n pending nodes on each of the B active rows: tokens (B, n) (node 0 = the row's
         root, whose parent is the committed prefix), anc (B or 1, n, n) bool ancestor-or-self, depths (B or
-        1, n) long. Rows with fewer nodes pad with nodes that see only the prefix and themselves."""
+        1, n) long. Rows with fewer nodes pad with nodes that see only the prefix and themselves. ``layers``:
+        decoder layers whose outputs come back as ``features`` (EAGLE-3's feature_layers)."""
         assert self.pending == 0, "commit the previous forward's nodes first"
-        return self.extend(tokens, anc, depths, hidden)
+        return self.extend(tokens, anc, depths, hidden, layers=layers)
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
-               hidden: bool = False, last: torch.Tensor | None = None) -> BatchOut:
+               hidden: bool = False, last: torch.Tensor | None = None, layers: tuple[int, ...] = ()
+               ) -> BatchOut:
         """Append n more pending nodes to each active row, after its P pending ones (a draft tree grown
         level by level): anc (B or 1, n, P + n) bool, over the row's pending nodes then these; depths (B or 1,
         n): positions are lengths[b] + depth (the committed root is at depth -1). ``last`` (B,): the logits
         of node last[b] of each row only ((B, 1, V); the LM head skips the others)."""
-        return self._run(tokens.to(self.device), anc, depths, slice(0, self.rows), hidden, last)
+        return self._run(tokens.to(self.device), anc, depths, slice(0, self.rows), hidden, last, layers)
 
-    def forward_trees(self, tokens: torch.Tensor, trees: Sequence[Tree], hidden: bool = False) -> BatchOut:
+    def forward_trees(self, tokens: torch.Tensor, trees: Sequence[Tree], hidden: bool = False,
+                      layers: tuple[int, ...] = ()) -> BatchOut:
         """``forward`` from one Tree per row (or one shared: a 1-element list); tokens (B, n), n ≥ the
         largest tree (columns past a row's tree are padding)."""
         n = tokens.shape[1]
         if len(trees) == 1 or all(t is trees[0] for t in trees):
             anc, depths = self._padded(trees[0], n)
-            return self.forward(tokens, anc[None], depths[None], hidden)
+            return self.forward(tokens, anc[None], depths[None], hidden, layers)
         anc = np.zeros((len(trees), n, n), dtype=bool)
         depths = np.zeros((len(trees), n), dtype=np.int64)
         for b, tree in enumerate(trees):
             anc[b], depths[b] = self._padded(tree, n)
-        return self.forward(tokens, anc, depths, hidden)
+        return self.forward(tokens, anc, depths, hidden, layers)
 
     def _padded(self, tree: Tree, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The tree's (n, n) ancestor-or-self mask and (n,) depths, padded to n nodes (padding: itself only,
@@ -304,7 +319,8 @@ class BatchEngine:
         return hit
 
     def _run(self, tokens: torch.Tensor, anc: torch.Tensor | np.ndarray, depths: torch.Tensor | np.ndarray,
-             rows: slice, hidden: bool, last: torch.Tensor | None = None) -> BatchOut:
+             rows: slice, hidden: bool, last: torch.Tensor | None = None, layers: tuple[int, ...] = ()
+             ) -> BatchOut:
         b, n = tokens.shape
         p0 = self.pending
         lens = np.asarray(self.lengths[rows], dtype=np.int64)  # (b,) host: indices and mask built in numpy
@@ -318,19 +334,25 @@ class BatchEngine:
                                             ).to(self.device)  # (b H_kv n,)
         mask = self._mask(lens, _host(anc), p0 + n, width)  # (b, 1, n, W)
         position = torch.from_numpy(lens[:, None] + _host(depths)).to(self.device)  # (b, n)
+        taps = dict.fromkeys(layers) if layers else None
         if self.fast is not None:
             x = self.fast.embed_tokens(tokens.reshape(-1))
-            x = self.fast.layers_forward(x, position.reshape(-1), mask, self.cache.layers, rows=b)
+            x = self.fast.layers_forward(x, position.reshape(-1), mask, self.cache.layers, taps=taps, rows=b)
             h = self.fast.final_norm(x).view(b, n, -1)
+            if taps is not None:  # (b n, H) each; HF's last hidden state is after the final norm
+                taps = {i: h if i == self.n_layers - 1 else x.view(b, n, -1) for i, x in taps.items()}
         else:
             out = self.base(input_ids=tokens, attention_mask=mask.to(self.dtype), position_ids=position,
-                            past_key_values=self.cache, use_cache=True)
+                            past_key_values=self.cache, use_cache=True, output_hidden_states=bool(layers))
             h = out.last_hidden_state  # (b, n, H)
+            if taps is not None:
+                taps = {i: out.hidden_states[i + 1] for i in layers}
+        features = torch.cat([taps[i] for i in layers], dim=-1) if taps is not None else None  # (b, n, k H)
         self.pending = p0 + n
         h_out = h if last is None else h[torch.arange(b, device=h.device), last][:, None]
         flat = h_out.reshape(-1, h_out.shape[-1])
         logits = self.fast.logits(flat) if self.fast is not None else self.head(flat)
-        return BatchOut(logits.float().view(b, h_out.shape[1], -1), h if hidden else None)
+        return BatchOut(logits.float().view(b, h_out.shape[1], -1), h if hidden else None, features)
 
     def _mask(self, lens: np.ndarray, anc: np.ndarray, p: int, width: int) -> torch.Tensor:
         """(b, 1, n, W) additive mask for n new nodes: column c of row b is its prefix (c < lens[b]: 0), its

@@ -7,9 +7,11 @@ each row is verified by the configured verifier (methods.core.verify, the one-se
 (ragged: rows advance by different amounts) and its bonus token becomes its next root. Rows leave at EOS or
 length (the last row moves into the slot); the next requests join then with ``continuous`` (continuous
 batching), else when the whole batch has finished (static batches). Every row's output is the output of
-decoding its prompt alone. Each row's drafter context carries a generator of the row's own
-(``row_generator``, seeded from the run's generator as the row joins): a row's draft depends on its own
-context alone, as when its prompt is decoded alone, never on the draws of the rows beside it.
+decoding its prompt alone. A drafter's ``needs_hidden_states`` and ``feature_layers`` are asked of the one
+target forward for every row at once (as the one-sequence loop asks them of its forward): each row's context
+carries its accepted tokens' hidden states / features. Each row's drafter context carries a generator of the
+row's own (``row_generator``, seeded from the run's generator as the row joins): a row's draft depends on its
+own context alone, as when its prompt is decoded alone, never on the draws of the rows beside it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class _Row:
     t: int  # committed length
     end: int
     hidden: torch.Tensor | None
+    features: torch.Tensor | None  # the drafter's feature_layers of the same tokens as hidden (EAGLE-3)
     result: DecodeResult
     joined: float
     generator: torch.Generator  # the row's own, for its drafter's draws (row_generator)
@@ -87,32 +90,34 @@ def decode_batch(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch
                  generator: torch.Generator, continuous: bool = False) -> BatchResult:
     """Decode every prompt ((T,) long, T ≥ 1), up to ``target.max_rows`` at once."""
     t_start = time.perf_counter()
-    want_hidden = bool(drafter.needs_hidden_states)
+    want = (bool(drafter.needs_hidden_states), tuple(getattr(drafter, "feature_layers", ())))
     out = BatchResult([None] * len(prompts))  # type: ignore[list-item]
     queue = list(range(len(prompts)))[::-1]  # next request last
     rows: list[_Row] = []
     target.reset()
     while queue or rows:
         if queue and (continuous or not rows):
-            _join(target, drafter, prompts, queue, rows, opts, want_hidden, out, generator)
-        _step(target, drafter, rows, opts, generator, want_hidden, out)
+            _join(target, drafter, prompts, queue, rows, opts, want, out, generator)
+        _step(target, drafter, rows, opts, generator, want, out)
     out.time_total_s = time.perf_counter() - t_start
     return out
 
 
 def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor], queue: list[int],
-          rows: list[_Row], opts: DecodeOptions, want_hidden: bool, out: BatchResult,
+          rows: list[_Row], opts: DecodeOptions, want: tuple[bool, tuple[int, ...]], out: BatchResult,
           generator: torch.Generator) -> None:
     """The next requests fill the free rows: one prefill forward for all of them, then the drafter's; each
-    new row gets its own generator (in request order)."""
+    new row gets its own generator (in request order). ``want``: (hidden states wanted, feature layers)."""
     t0 = time.perf_counter()
+    want_hidden, layers = want
     new = [queue.pop() for _ in range(min(target.max_rows - target.rows, len(queue)))]
     ids = [prompts[i].detach().to("cpu", torch.long).view(-1) for i in new]
     assert all(x.numel() >= 1 for x in ids), "every prompt needs at least one token (the first root)"
     for x in ids:
         target.check_fits(x.numel() + opts.max_new_tokens)
     first = target.add(len(new))
-    pre = target.prefill([x[:-1] for x in ids], rows=slice(first, first + len(new)), hidden=want_hidden)
+    pre = target.prefill([x[:-1] for x in ids], rows=slice(first, first + len(new)), hidden=want_hidden,
+                         layers=layers)
     drafter.join(ids)
     now = time.perf_counter()
     for j, (i, x) in enumerate(zip(new, ids)):
@@ -120,21 +125,23 @@ def _join(target: BatchEngine, drafter: BatchDrafter, prompts: list[torch.Tensor
         seq = torch.empty(n + opts.max_new_tokens, dtype=torch.long)
         seq[:n] = x
         hidden = pre.hidden[j, : n - 1] if (want_hidden and pre is not None) else None
+        features = pre.features[j, : n - 1] if (layers and pre is not None) else None
         res = DecodeResult([], [], AcceptStats(), 0, 0.0, 0.0, 0.0, "length", now - t0)
-        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, res, t0,
+        rows.append(_Row(i, seq, seq.numpy(), n, n, n + opts.max_new_tokens, hidden, features, res, t0,
                          row_generator(generator)))
     out.time_prefill_s += now - t0
 
 
 def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: DecodeOptions,
-          generator: torch.Generator, want_hidden: bool, out: BatchResult) -> None:
+          generator: torch.Generator, want: tuple[bool, tuple[int, ...]], out: BatchResult) -> None:
     c0, t0 = time.process_time(), time.perf_counter()
-    ctxs = [DraftContext(r.seq[: r.t], r.hidden, r.generator, r.end - r.t) for r in rows]
+    want_hidden, layers = want
+    ctxs = [DraftContext(r.seq[: r.t], r.hidden, r.generator, r.end - r.t, r.features) for r in rows]
     roots = torch.tensor([r.host[r.t - 1] for r in rows], dtype=torch.long)
     ca = time.process_time()
     draft = _limit(drafter.propose_batch(BatchContext(ctxs, roots)), [c.max_new for c in ctxs])
     c1, t1 = time.process_time(), time.perf_counter()
-    fwd = target.forward_trees(draft.tokens, draft.trees, hidden=want_hidden)
+    fwd = target.forward_trees(draft.tokens, draft.trees, hidden=want_hidden, layers=layers)
     c2, t2 = time.process_time(), time.perf_counter()
     paths, nexts = verify_batch(draft, fwd.logits, opts, generator)
     target.commit(paths)
@@ -152,8 +159,11 @@ def _step(target: BatchEngine, drafter: BatchDrafter, rows: list[_Row], opts: De
         if stop:
             r.result.stop = stop
             done.append(b)
-        elif want_hidden:
-            r.hidden = fwd.hidden[b, list(path)]
+        else:
+            if want_hidden:
+                r.hidden = fwd.hidden[b, list(path)]
+            if layers:
+                r.features = fwd.features[b, list(path)]
     cf = time.process_time()
     drafter.feedback_batch(BatchFeedback(draft, paths, nexts, fwd.logits))
     c4, t4 = time.process_time(), time.perf_counter()

@@ -237,7 +237,8 @@ class BatchDrafter(Protocol):
     them): ``join`` appends new rows at the end (their prompts (t,) long), ``leave(slot)`` removes a row and
     moves the last row into its slot, ``propose_batch`` proposes for every active row, ``feedback_batch``
     reports every row's verification. ``needs_hidden_states``: rows' contexts carry the target's hidden
-    states (as for Drafter)."""
+    states; optional ``feature_layers`` (default ()): rows' contexts carry those decoder layers' outputs in
+    ``DraftContext.features`` (both as for Drafter; the batched target forward returns them for all rows)."""
 
     needs_hidden_states: bool
 

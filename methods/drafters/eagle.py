@@ -415,24 +415,28 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
 # ---- batches (issue 16) ----------------------------------------------------------------------------------
 def batched_eagle(one: EagleDrafter, max_rows: int) -> BatchEagle | None:
     """The batched form of ``one``, or None where the configuration has none (per row)."""
-    if one.dynamic is not None or one.mode != "topk" or not one.needs_hidden_states:
+    if one.mode != "topk":
         return None
     return BatchEagle(one, max_rows)
 
 
 class BatchEagle:
-    """EAGLE-1's static trees with top-k children over a batch (greedy, deterministic, typical verifiers):
-    the head's cache holds every row (methods.heads.eagle.batch_state.BatchHeadCache), every row drafts the
-    configured tree, each level's children chosen by one top-k over all rows' fed nodes; rows near their
-    length limit get their tree cut to their own depth afterwards (a static top-k tree's shallow nodes do
-    not depend on the deeper levels), so every row's draft is exactly the one-sequence drafter's. Dynamic
-    trees (EAGLE-2), sampled candidates and EAGLE-3 (its features) have no batched form here
-    (``batched_eagle``: None): they are batched per row (methods.core.batch_drafter.PerRow)."""
-
-    needs_hidden_states = True
+    """EAGLE-1/3's top-k drafts over a batch (greedy, deterministic, typical verifiers): the head's cache
+    holds every row (methods.heads.eagle.batch_state.BatchHeadCache) and each draft level is ONE head forward
+    over every row's fed nodes and one top-k over all their rows. Static trees: every row drafts the
+    configured tree; rows near their length limit get it cut to their own depth afterwards (a static top-k
+    tree's shallow nodes do not depend on the deeper levels). EAGLE-2's dynamic trees: every row's frontier
+    is its own top_k most confident nodes (its cumulative log q), each row's pending nodes with their own
+    ancestors; each row's drafted nodes are reranked alone, over the levels its own depth allows (the rerank
+    of a shallower tree is not a cut of the deeper one's). Either way every row's draft is exactly the
+    one-sequence drafter's. EAGLE-3's rows are fused from their ``feature_layers`` (which the batch loop asks
+    of the target forward), EAGLE-1's from the last hidden state. Sampled candidates have no batched form
+    here (``batched_eagle``: None): they are batched per row (methods.core.batch_drafter.PerRow)."""
 
     def __init__(self, one: EagleDrafter, max_rows: int) -> None:
         self.one = one
+        self.needs_hidden_states = one.needs_hidden_states
+        self.feature_layers = one.feature_layers
         self.cache = BatchHeadCache(one.head, max_rows)
         self.has_last: list[bool] = []
 
@@ -445,60 +449,114 @@ class BatchEagle:
         leave_slot(self.has_last, slot)
 
     def feedback_batch(self, fb: BatchFeedback) -> None:
-        """Nothing to learn: the accepted tokens' features arrive in the next contexts."""
+        """Nothing to learn (the accepted tokens' features arrive in the next contexts); dynamic trees count
+        every row's kept nodes' outcomes in the one-sequence drafter's tally (EagleDrafter.feedback)."""
+        if self.one.kept is not None:
+            for b in range(len(fb.accepted)):
+                self.one.feedback(fb.row(b))
 
     @torch.inference_mode()
     def propose_batch(self, ctx: BatchContext) -> BatchDraft:
         self._catch_up(ctx)
-        one, cache = self.one, self.cache
-        depths = [min(one.tree.depth, c.max_new - 1) if ok else 0 for c, ok in zip(ctx.rows, self.has_last)]
-        depth = max(depths)
-        if depth < 1:
+        one = self.one
+        most = one.dynamic.depth if one.dynamic is not None else one.tree.depth
+        depths = [min(most, c.max_new - 1) if ok else 0 for c, ok in zip(ctx.rows, self.has_last)]
+        if max(depths) < 1:
             return BatchDraft.from_drafts([root_only(int(r)) for r in ctx.roots])
+        try:
+            if one.dynamic is not None:
+                return self._dynamic(ctx.roots, depths)
+            return self._static(ctx.roots, depths)
+        finally:
+            self.cache.drop_pending()
+
+    def _static(self, roots: torch.Tensor, depths: list[int]) -> BatchDraft:
+        one, cache, depth = self.one, self.cache, max(depths)
         tree = _cut(one.tree, depth)
         plan = one._plans.get(tree) or one._plans.setdefault(tree, _Plan.of(tree))
-        b = len(ctx.rows)
-        tokens = np.repeat(ctx.roots.numpy()[:, None], tree.size, 1)  # (B, N)
+        b = len(depths)
+        tokens = np.repeat(roots.numpy()[:, None], tree.size, 1)  # (B, N)
         slot = np.zeros(tree.size, dtype=np.int64)  # node → its column in g / z (the last fed level)
         g = cache.last[:b, None]  # (B, 1, H)
         z = one.head.logits(g)
         first = -1
-        try:
-            for d in range(1, depth + 1):
-                kids = plan.kids[d - 1]
-                cand = z.float().topk(plan.width[d - 1]).indices.cpu().numpy()  # (B, fed, w)
-                tokens[:, kids] = cand[:, slot[plan.parents[kids]], plan.ranks[kids]]
-                fed = plan.expand[d] if d < depth else plan.expand[d][:0]
-                if fed.size == 0:
-                    continue
-                pidx = slot[plan.parents[fed]]
-                prow = pidx + first if first >= 0 else np.full(fed.size, -1)
-                first = cache.pending
-                sel = torch.from_numpy(pidx).to(g.device)
-                g = cache.feed(g[:, sel], torch.from_numpy(tokens[:, fed]).to(g.device), d, prow)
-                z = one.head.logits(g)
-                slot[fed] = np.arange(fed.size)
-        finally:
-            cache.drop_pending()
+        for d in range(1, depth + 1):
+            kids = plan.kids[d - 1]
+            cand = z.float().topk(plan.width[d - 1]).indices.cpu().numpy()  # (B, fed, w)
+            tokens[:, kids] = cand[:, slot[plan.parents[kids]], plan.ranks[kids]]
+            fed = plan.expand[d] if d < depth else plan.expand[d][:0]
+            if fed.size == 0:
+                continue
+            pidx = slot[plan.parents[fed]]
+            prow = pidx + first if first >= 0 else np.full(fed.size, -1)
+            first = cache.pending
+            sel = torch.from_numpy(pidx).to(g.device)
+            g = cache.feed(g[:, sel], torch.from_numpy(tokens[:, fed]).to(g.device), d, prow)
+            z = one.head.logits(g)
+            slot[fed] = np.arange(fed.size)
         ids = torch.from_numpy(tokens)
         if all(x == depth for x in depths):
             return BatchDraft(ids, [tree])
         return BatchDraft.from_drafts([limit_depth(Draft(tree, ids[i]), x) if x >= 1 else root_only(int(r))
-                                       for i, (x, r) in enumerate(zip(depths, ctx.roots))])
+                                       for i, (x, r) in enumerate(zip(depths, roots))])
+
+    def _dynamic(self, roots: torch.Tensor, depths: list[int]) -> BatchDraft:
+        """EagleDrafter._dynamic on every row at once: per level one head forward over every row's frontier
+        (B, top_k) and one top-k of all their rows; the cumulative scores and the next frontiers in numpy
+        with a row axis; then each row's rerank (``_rerank``, the one-sequence drafter's) over its first
+        levels. Rows drafting nothing (depth 0) get the root alone."""
+        one, cache, depth = self.one, self.cache, max(depths)
+        K, b = one.dynamic.top_k, len(depths)
+        val, idx = one._top_log_q(cache.last[:b, None])  # (B, 1, K)
+        val, idx = val[:, 0], idx[:, 0]
+        tok, score, par = [idx], [val], [np.full((b, K), -1)]  # per level (B, m_d): the drafted nodes
+        front, fscore, ftok = np.broadcast_to(np.arange(K), (b, K)), val, torch.from_numpy(idx)
+        h, prow, count = cache.last[:b, None].expand(b, K, -1), np.full((b, K), -1), K
+        rows = np.arange(b)[:, None]
+        for d in range(2, depth + 1):
+            first = cache.pending  # the frontier's pending rows: first .. first + K - 1 in every row
+            out = cache.feed(h, ftok.to(h.device), d - 1, prow)  # (B, K, H)
+            val, idx = one._top_log_q(out)  # (B, K, K)
+            cand = (fscore[:, :, None] + val).reshape(b, K * K)  # cumulative log q
+            tok.append(idx.reshape(b, K * K)), score.append(cand), par.append(np.repeat(front, K, 1))
+            if d < depth:
+                best = np.argsort(-cand, axis=-1, kind="stable")[:, :K]  # each row's K most confident
+                j = best // K  # the parent's slot in this level
+                front, fscore, prow = count + best, cand[rows, best], first + j
+                h = out[torch.from_numpy(rows).to(out.device), torch.from_numpy(j).to(out.device)]
+                ftok = torch.from_numpy(tok[-1][rows, best])
+            count += K * K
+        drafts = []
+        for i, (x, root) in enumerate(zip(depths, roots.tolist())):
+            if x < 1:
+                drafts.append(root_only(root))
+                continue
+            levels = range(x)
+            dep = np.concatenate([np.full(tok[d].shape[1], d + 1) for d in levels])
+            parents, tokens, ranks, _ = _rerank(
+                np.concatenate([par[d][i] for d in levels]), np.concatenate([tok[d][i] for d in levels]),
+                np.tile(np.arange(K), dep.size // K), np.concatenate([score[d][i] for d in levels]), dep,
+                one.dynamic.total_tokens, root)
+            tree = one._tree_of(parents, ranks.tolist())
+            one._sizes[0], one._sizes[1] = one._sizes[0] + len(tokens), one._sizes[1] + 1
+            one.shapes[tree] += 1
+            drafts.append(Draft(tree, torch.from_numpy(tokens.astype(np.int64))))
+        return BatchDraft.from_drafts(drafts)
 
     def _catch_up(self, ctx: BatchContext) -> None:
         """Append each row's committed rows not yet in the head's cache (features of x_j paired with
-        x_{j+1}), all rows in one head forward."""
+        x_{j+1}: EAGLE-3's fused feature_layers, EAGLE-1's hidden state), all rows in one head forward."""
         rows, hs, toks = [], [], []
         p = self.one.head.fc.weight
         for b, c in enumerate(ctx.rows):
-            if c.hidden is None or c.hidden.shape[0] == 0:
+            src = c.features if self.feature_layers else c.hidden
+            if src is None or src.shape[0] == 0:
                 continue
-            n, t = c.hidden.shape[0], c.tokens.shape[0]
+            n, t = src.shape[0], c.tokens.shape[0]
             assert self.cache.lengths[b] == t - 1 - n, f"row {b}: head cache {self.cache.lengths[b]} rows, " \
                                                        f"expected {t - 1 - n}"
             rows.append(b)
-            hs.append(self.one.head.fuse(c.hidden.to(p.device, p.dtype)))
+            hs.append(self.one.head.fuse(src.to(p.device, p.dtype)))
             toks.append(c.tokens[t - n :].to(p.device))
             self.has_last[b] = True
         if rows:

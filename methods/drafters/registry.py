@@ -49,9 +49,8 @@ BATCHABLE = MappingProxyType({
     "layerskip": _SHARED_ENGINE,
     "draft_verify": _SHARED_ENGINE,
     "mtp": "batched",
-    "eagle": "batched",  # EAGLE-1's static top-k trees; dynamic trees, sampled candidates: per row
-    "eagle3": "no: its head reads decoder-layer features (feature_layers) that the batched engine does not "
-              "return yet (the head's batched cache, methods.heads.eagle.batch_state, would take them fused)",
+    "eagle": "batched",  # EAGLE-1's static and EAGLE-2's dynamic top-k trees; sampled candidates: per row
+    "eagle3": "batched",  # the same, its head fed the feature_layers the batched target forward returns
 })
 
 

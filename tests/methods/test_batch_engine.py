@@ -1,6 +1,7 @@
 """The batched engine against the one-sequence engine (fp32): one forward over B rows with ragged prompts,
 ragged trees (padded) and ragged commits gives every row the logits ModelEngine gives it alone, step after
-step, also after rows leave (the last row moves into the freed slot) and new rows join."""
+step, also after rows leave (the last row moves into the freed slot) and new rows join; and the outputs of the
+decoder layers a drafter asks for (``layers``: EAGLE-3's features) ModelEngine gives it alone."""
 
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ from specsim.tree import Tree
 
 ATOL = 1e-4
 TREES = [Tree.from_parents([-1, 0, 0, 1, 1, 2]), Tree.chain(3), Tree.chain(0), Tree.kary(2, 2)]
+LAYERS = (1, 0)  # of the tiny target's 2: the last (after the final norm) and a middle one, in asked order
 
 
 def _alone(model, fast: bool, prompt: torch.Tensor, steps: list[tuple[torch.Tensor, Tree, tuple]]):
-    """Logits of each step's tree for one row decoded alone (the reference)."""
+    """The prompt's prefill features, then the logits and features of each step's tree for one row decoded
+    alone (the reference)."""
     one = ModelEngine(model, fast=fast)
-    one.prefill(prompt[:-1])
+    pre = one.prefill(prompt[:-1], layers=LAYERS)
     outs = []
     for tokens, tree, path in steps:
-        outs.append(one.forward_tree(tokens, tree).logits)
+        out = one.forward_tree(tokens, tree, layers=LAYERS)
+        outs.append((out.logits, out.features))
         one.commit(path)
-    return outs
+    return None if pre is None else pre.features, outs
 
 
 @pytest.mark.parametrize("fast,budget", [(True, None), (False, None), (True, 12)],
@@ -38,7 +42,7 @@ def test_batch_forward_equals_rows_alone(tiny_target, fast, budget):
         eng.prefill_tokens = budget
     assert (eng.fast is not None) == fast
     eng.add(4)
-    eng.prefill([p[:-1] for p in prompts])
+    pre = eng.prefill([p[:-1] for p in prompts], layers=LAYERS)
     history = [[] for _ in prompts]
     roots = [p[-1] for p in prompts]
     for step in range(3):
@@ -46,17 +50,22 @@ def test_batch_forward_equals_rows_alone(tiny_target, fast, budget):
         n = max(t.size for t in trees)
         tokens = torch.randint(0, 300, (4, n), generator=g)
         tokens[:, 0] = torch.stack(roots)
-        out = eng.forward_trees(tokens, trees)
+        out = eng.forward_trees(tokens, trees, layers=LAYERS)
         assert out.logits.shape == (4, n, tiny_target.config.vocab_size)
+        assert out.features.shape == (4, n, len(LAYERS) * tiny_target.config.hidden_size)
         paths = [t.path_to(int(torch.randint(0, t.size, (1,), generator=g))) for t in trees]
         for b, (tree, path) in enumerate(zip(trees, paths)):
-            history[b].append((tokens[b, : tree.size], tree, path, out.logits[b, : tree.size]))
+            history[b].append((tokens[b, : tree.size], tree, path, out.logits[b, : tree.size],
+                               out.features[b, : tree.size]))
             roots[b] = tokens[b, path[-1]]  # any token: the next root
         eng.commit(paths)
     for b, prompt in enumerate(prompts):
-        ref = _alone(tiny_target, fast, prompt, [h[:3] for h in history[b]])
-        for (*_, got), want in zip(history[b], ref):
-            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        ref_pre, ref = _alone(tiny_target, fast, prompt, [h[:3] for h in history[b]])
+        if ref_pre is not None:
+            torch.testing.assert_close(pre.features[b, : prompt.numel() - 1], ref_pre, atol=ATOL, rtol=0)
+        for (*_, logits, features), want in zip(history[b], ref):
+            torch.testing.assert_close(logits, want[0], atol=ATOL, rtol=0)
+            torch.testing.assert_close(features, want[1], atol=ATOL, rtol=0)
         assert eng.lengths[b] == prompt.numel() - 1 + sum(len(h[2]) for h in history[b])
 
 
@@ -81,15 +90,18 @@ def test_prefill_in_groups_equals_one_forward_and_runs_one_forward_per_group(tin
     outs = []
     for eng in (whole, split):
         eng.add(5)
-        outs.append(eng.prefill(ids, hidden=True))
+        outs.append(eng.prefill(ids, hidden=True, layers=LAYERS))
     assert [c for s, c in calls if s] == [1, 1, 2, 1] and [c for s, c in calls if not s] == [5]
     a, b = outs
     assert a.logits.shape == b.logits.shape == (5, 1, tiny_target.config.vocab_size)
     assert a.hidden.shape == b.hidden.shape == (5, 12, tiny_target.config.hidden_size)
+    assert a.features.shape == b.features.shape == (5, 12, 2 * tiny_target.config.hidden_size)
     for r, x in enumerate(ids):
         if x.numel():
             torch.testing.assert_close(b.logits[r], a.logits[r], atol=ATOL, rtol=0)
             torch.testing.assert_close(b.hidden[r, : x.numel()], a.hidden[r, : x.numel()], atol=ATOL, rtol=0)
+            torch.testing.assert_close(b.features[r, : x.numel()], a.features[r, : x.numel()], atol=ATOL,
+                                       rtol=0)
         n = x.numel()
         torch.testing.assert_close(split.k[:, r, :, :n], whole.k[:, r, :, :n], atol=ATOL, rtol=0)
     assert split.lengths == whole.lengths == [x.numel() for x in ids]
@@ -151,7 +163,7 @@ def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target):
         eng.prefill([p[:-1] for p in prompts])
         outs[dtype] = eng.forward_trees(tokens, [tree]).logits
     for b, p in enumerate(prompts):
-        (want,) = _alone(model, True, p, [(tokens[b], tree, (0,))])
+        ((want, _),) = _alone(model, True, p, [(tokens[b], tree, (0,))])[1]
         for got in outs.values():
             torch.testing.assert_close(got[b], want.float(), atol=0.1, rtol=0.05)
 

@@ -34,12 +34,22 @@ CASES = {  # (drafter, tree, params)
     # puts short prompts' rows in groups of their own for the first steps (ragged windows)
     "mtp": ("mtp", Tree.from_parents([-1] + [0] * 48 + [1, 1, 2, 49]), {"modules": "random", "window": 8}),
     "eagle": ("eagle", Tree.from_parents([-1] + [0] * 40 + [1, 1, 2, 42, 42, 45]), {"head": "random"}),
-    "eagle_dynamic_per_row": ("eagle", None, {"head": "random"}),  # EAGLE-2: per row (TREE_CFG)
+    "eagle_dynamic": ("eagle", None, {"head": "random"}),  # EAGLE-2: batched, frontiers per row (TREE_CFG)
+    # EAGLE-3: features of layers 0 and 1 (the last: after the final norm) from the batched target forward
+    "eagle3": ("eagle3", Tree.from_parents([-1] + [0] * 40 + [1, 1, 2, 42, 42, 45]),
+               {"head": "random", "feature_layers": [0, 1]}),
+    "eagle3_dynamic": ("eagle3", None, {"head": "random", "feature_layers": [0, 1]}),
     "lookahead_per_row": ("lookahead", Tree.chain(3), {"level": 4, "window": 3, "guess_set": 3}),
     "specinfer_per_row": ("specinfer", Tree.kary(2, 2), {"source": "copies", "drafts": 3}),
+    "staged_per_row": ("staged", Tree.chain(3), {"stage2": "ngram", "stage2_gamma": 3, "order": 1}),
 }
-TREE_CFG = {"eagle_dynamic_per_row": TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=40,
-                                                depth=3, top_k=20)}
+# EAGLE-2's dynamic trees: narrow and deep for the EAGLE-1 head (each row's frontier hangs under parents of
+# its own: row-mixing fails test_rows_draft_as_alone), wide for the EAGLE-3 head (its random drafts get
+# accepted)
+TREE_CFG = {
+    "eagle_dynamic": TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=12, depth=5, top_k=2),
+    "eagle3_dynamic": TreeConfig(name="dynamic", kind=TreeKind.dynamic, total_tokens=40, depth=3, top_k=20),
+}
 FIELDS = {"lookahead": {"verify_extra_tokens": 2 + 2 * 3 + 2 * 3}}  # as test_greedy_equivalence
 
 
@@ -106,6 +116,7 @@ class _Checked:
     def __init__(self, form, reference: PerRow, seeds: torch.Generator) -> None:
         self.form, self.ref, self.seeds = form, reference, seeds
         self.needs_hidden_states = form.needs_hidden_states
+        self.feature_layers = getattr(form, "feature_layers", ())
         self.compared = 0
         self.generators: list[torch.Generator] = []  # the reference rows' own, slot order
 
@@ -170,8 +181,10 @@ SAMPLED = {
     "sequoia_tree": ("draft_model", Verifier.sequoia, Tree.from_parents([-1, 0, 0, 0, 1, 1, 2])),
     "mtp_chain": ("mtp", Verifier.chain, Tree.chain(3)),
     "eagle_specinfer_per_row": ("eagle", Verifier.specinfer, Tree.kary(2, 2)),  # sampled EAGLE: per row
+    "eagle3_deterministic": ("eagle3", Verifier.deterministic, Tree.kary(2, 2)),  # top-k EAGLE-3: batched
 }
-SAMPLED_PARAMS = {"mtp": {"modules": "random", "window": 4}, "eagle": {"head": "random"}}
+SAMPLED_PARAMS = {"mtp": {"modules": "random", "window": 4}, "eagle": {"head": "random"},
+                  "eagle3": {"head": "random", "feature_layers": [0]}}
 
 
 @pytest.mark.slow
@@ -196,14 +209,17 @@ def test_sampling_stays_lossless_per_row(small_vocab_models, case):
 
 
 def test_batchable_declaration_covers_the_registry():
-    """Every drafter is declared: batched natively, per row, or rejected with a reason."""
+    """Every drafter is declared: batched natively, per row, or rejected with a reason; every drafter that
+    batches is in CASES (the identity and draft-as-alone tests above), in the form it declares."""
     assert set(BATCHABLE) == set(names())
     for name, how in BATCHABLE.items():
         assert how in ("batched", "per_row") or how.startswith("no: "), (name, how)
+        forms = {case.endswith("per_row") for case, (drafter, _, _) in CASES.items() if drafter == name}
+        assert how.startswith("no: ") or (how == "per_row") in forms, f"{name} ({how}) has no case"
 
 
 @pytest.mark.parametrize("method", ["autoregressive", "vanilla", "prompt_lookup", "medusa", "lookahead",
-                                    "mtp", "eagle", "eagle2"])
+                                    "mtp", "eagle", "eagle2", "eagle3"])
 def test_batchable_methods_pass_the_config_checks(run_module, run_config, method):
     """workload.batch_size > 1 on specsim's engine is accepted for every method whose drafter batches."""
     run_module.check_runnable(run_config(f"method={method}", "workload.batch_size=8", "model=random_tiny"))

@@ -20,8 +20,9 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.eagle import Dynamic, EagleDrafter, _rerank
 from methods.drafters.registry import build_drafter
 from methods.heads import trainer
+from methods.heads.eagle.batch_state import BatchHeadCache
 from methods.heads.eagle.checkpoint import _split, load_eagle, names, save_eagle
-from methods.heads.eagle.state import HeadCache
+from methods.heads.eagle.state import HeadCache, grow_ancestors
 from methods.heads.eagle.train import EagleTrainConfig, new_head, rollout, train, ttt_mask
 from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
 from specsim.tree import Tree
@@ -143,6 +144,53 @@ def test_confidence_temperature_one_is_eagle2_and_a_sharp_one_keeps_the_top1_cha
     with pytest.raises(ValueError, match="confidence_temperature"):
         build_drafter(_method("eagle", confidence_temperature=0.0), None, tiny_models, GREEDY,
                       tree_cfg=DYNAMIC)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_batch_head_cache_feeds_each_rows_own_parents(tiny_models, variant, layers):
+    """BatchHeadCache fed parents of each row's own (EAGLE-2's dynamic frontiers batched: BatchEagle) gives
+    every row the g that HeadCache gives it alone: rows of different committed lengths, three levels, each
+    row's nodes under other parents (level 3's ancestors are its parent's, through level 2)."""
+    head = _random_head(tiny_models.target, variant, layers)
+    g = torch.Generator().manual_seed(3)
+    width = head.fc.in_features if variant == "eagle3" else head.cfg.hidden_size
+    feats = [head.fuse(torch.randn(n, width, generator=g)) for n in (5, 2, 8)]
+    toks = [torch.randint(0, 256, (f.shape[0],), generator=g) for f in feats]
+    fed = torch.randint(0, 256, (3, 3, 3), generator=g)  # (level, row, node)
+    parents = [np.full((3, 3), -1), np.array([[0, 0, 1], [2, 1, 0], [1, 2, 2]]),
+               3 + np.array([[2, 0, 1], [1, 1, 0], [0, 2, 2]])]  # pending rows: level 1 is 0-2, level 2 3-5
+    batch = BatchHeadCache(head, 3, capacity=4)  # small: the buffers grow
+    batch.join(3)
+    batch.append([0, 1, 2], feats, toks)
+    rows, h, outs = torch.arange(3)[:, None], batch.last[:3, None].expand(3, 3, -1), []
+    for d, par in enumerate(parents):
+        outs.append(batch.feed(h, fed[d], d + 1, par))
+        if d + 1 < len(parents):
+            h = outs[-1][rows, torch.from_numpy(parents[d + 1] - 3 * d)]
+    assert batch.anc.shape == (3, 9, 9)
+    for b in range(3):
+        one = HeadCache(head)
+        one.append(feats[b], toks[b])
+        x = one.last.expand(3, -1)
+        for d, par in enumerate(parents):
+            got = one.feed(x, fed[d, b], d + 1, par[b])
+            torch.testing.assert_close(outs[d][b], got, atol=1e-5, rtol=0)
+            if d + 1 < len(parents):
+                x = got[torch.from_numpy(parents[d + 1][b] - 3 * d)]
+        assert (batch.anc[b] == one.anc).all()
+
+
+def test_grow_ancestors_per_row_equals_each_row_alone():
+    anc = grow_ancestors(np.zeros((0, 0), dtype=bool), np.array([-1, -1]))  # shared: two roots' children
+    parents = np.array([[0, 1, -1], [1, 1, 0]])
+    grown = grow_ancestors(anc, parents)  # (2, 5, 5): one relation per row
+    for b in range(2):
+        assert (grown[b] == grow_ancestors(anc, parents[b])).all()
+    assert grown[0, 2].tolist() == [True, False, True, False, False]
+    assert grown[1, 4].tolist() == [True, False, False, False, True]
+    again = grow_ancestors(grown, np.array([[2, -1], [3, 4]]))
+    assert again[0, 5].tolist() == [True, False, True, False, False, True, False]
+    assert again[1, 5].tolist() == [False, True, False, True, False, True, False]
 
 
 def test_dynamic_tree_refuses_sampling_verifiers(tiny_models):

@@ -5,7 +5,8 @@ methods.heads.eagle.state.HeadCache, used by methods.drafters.eagle.BatchEagle; 
 after them (the batched target engine's layout). Committed rows arrive ragged (each row's accepted tokens
 with the target's hidden states, methods.core.batch_loop) and are appended in ONE head forward over the rows
 that have any, padded to the longest; a draft level is ONE head forward over the level's fed nodes of every
-row (B, f), with one pending-ancestor relation shared by the rows (they draft the same tree). Attention
+row (B, f), with one pending-ancestor relation shared by the rows where they draft the same tree (static
+trees), one per row where each row's nodes have parents of their own (EAGLE-2's dynamic frontiers). Attention
 masks are built on the host in numpy and cross to the device once per forward, as in the one-sequence cache.
 """
 
@@ -30,7 +31,8 @@ class BatchHeadCache:
         self.v = torch.zeros_like(self.k)
         self.lengths = np.zeros(0, dtype=np.int64)  # committed rows per active row (host)
         self.last = torch.zeros(max_rows, c.hidden_size, dtype=p.dtype, device=p.device)  # g of the last one
-        self.anc = np.zeros((0, 0), dtype=bool)  # (P, P) pending ancestor-or-self, shared by every row
+        self.anc = np.zeros((0, 0), dtype=bool)  # (P, P) pending ancestor-or-self shared by every row, or
+        # (B, P, P): one per row
 
     @property
     def rows(self) -> int:
@@ -38,7 +40,7 @@ class BatchHeadCache:
 
     @property
     def pending(self) -> int:
-        return self.anc.shape[0]
+        return self.anc.shape[-1]
 
     def join(self, k: int) -> None:
         assert self.pending == 0 and self.rows + k <= self.max_rows
@@ -115,8 +117,9 @@ class BatchHeadCache:
 
     def feed(self, h: torch.Tensor, tokens: torch.Tensor, depth: int, parents: np.ndarray) -> torch.Tensor:
         """Draft rows at ``depth`` on every active row: h (B, f, H) the parents' g, tokens (B, f), ``parents``
-        (f,) the pending row of each one's parent (-1: a child of the root), the same for every row. Returns
-        g (B, f, H); the rows become pending (P..P+f-1 after each row's committed ones)."""
+        the pending row of each one's parent (-1: a child of the root): (f,) the same for every row, or (B,
+        f) each row's own. Returns g (B, f, H); the rows become pending (P..P+f-1 after each row's committed
+        ones)."""
         head, P, (b, f) = self.head, self.pending, tokens.shape
         lens = self.lengths
         width = int(lens.max()) + P + f
@@ -130,7 +133,7 @@ class BatchHeadCache:
         cols = np.arange(width)
         mask = np.where(cols[None] < lens[:, None], np.float32(0), np.float32(-np.inf))  # (B, W) committed
         mask = np.repeat(mask[:, None], f, 1)  # (B, f, W)
-        pend = np.where(grown[P:], np.float32(0), np.float32(-np.inf))  # (f, P + f)
+        pend = np.where(grown[..., P:, :], np.float32(0), np.float32(-np.inf))  # (f or B f, P + f)
         pcols = (lens[:, None] + np.arange(P + f))[:, None]  # (B, 1, P + f) each row's pending slots
         mask[ar[:, None, None], np.arange(f)[None, :, None], pcols] = pend
         kk, vv = self._keys(ar, width)

@@ -116,16 +116,29 @@ class HeadCache:
 
 
 def grow_ancestors(anc: np.ndarray, parents: np.ndarray) -> np.ndarray:
-    """The pending rows' (P + n, P + n) ancestor-or-self relation after n new rows whose ``parents`` (n,) are
-    pending rows (-1: a child of the root, no pending ancestor): ``anc`` (P, P), then each new row's
-    parent's ancestors, then itself."""
-    P, n = anc.shape[0], parents.shape[0]
-    grown = np.zeros((P + n, P + n), dtype=bool)
-    grown[:P, :P] = anc
+    """The pending rows' (..., P + n, P + n) ancestor-or-self relation after n new rows whose ``parents``
+    (..., n) are pending rows (-1: a child of the root, no pending ancestor): ``anc`` (..., P, P), then each
+    new row's parent's ancestors, then itself. Leading axes (a batch's rows, each with its own relation)
+    broadcast: an ``anc`` shared by every row grows into one per row when ``parents`` differ per row."""
+    P, n = anc.shape[-1], parents.shape[-1]
     has = parents >= 0
+    # one relation (one sequence, or rows drafting one tree): plain indexing, ~13 against ~38 µs a level for
+    # the broadcast form below (P = 6, n = 4; a one-sequence EAGLE draft runs it every level)
+    if anc.ndim == 2 and parents.ndim == 1:
+        grown = np.zeros((P + n, P + n), dtype=bool)
+        grown[:P, :P] = anc
+        if P and has.any():
+            grown[P:][has, :P] = anc[parents[has]]
+        grown[np.arange(P, P + n), np.arange(P, P + n)] = True
+        return grown
+    lead = np.broadcast_shapes(anc.shape[:-2], parents.shape[:-1])
+    grown = np.zeros((*lead, P + n, P + n), dtype=bool)
+    grown[..., :P, :P] = anc
     if P and has.any():
-        grown[P:][has, :P] = anc[parents[has]]
-    grown[np.arange(P, P + n), np.arange(P, P + n)] = True
+        index = np.broadcast_to(parents.clip(0), (*lead, n))[..., None]  # (..., n, 1): the parents' rows
+        rows = np.take_along_axis(np.broadcast_to(anc, (*lead, P, P)), index, -2)  # (..., n, P)
+        grown[..., P:, :P] = rows & has[..., None]
+    grown[..., np.arange(P, P + n), np.arange(P, P + n)] = True
     return grown
 
 
