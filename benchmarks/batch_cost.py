@@ -227,6 +227,7 @@ def head(args: argparse.Namespace) -> None:
     models = load_models(cfg.model, "cpu", args.dtype)
     tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree, models, SamplingParams(0.0), cfg.tree)
+    tree = getattr(drafter, "tree", None) or tree  # a drafter may cut it (MTP: to its modules' depth)
     w = replace(cfg.workload, num_prompts=max(args.batches))
     texts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
     cache = Path(tempfile.mkdtemp()) if args.no_store else None
