@@ -329,8 +329,19 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
                batch_cost_source="fit" if fit is not None else "roofline growth",
                batch_draft_cost_source=_draft_source(draft_fit, head_fit if fit is not None else None),
-               batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law")
+               batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law",
+               # the former pricings beside it: every step at B rows; a head drafter's draft as the target
+               # grows (without its loop-timed step)
+               predicted_decode_speedup_b_rows=_decode_at(pred, cfg.workload.max_new_tokens, pred.t_step_s))
+    if head_fit is not None and fit is not None:
+        grown = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists, with_break_even=False)
+        out["predicted_decode_speedup_head_grown"] = grown.predicted_decode_speedup
     return out
+
+
+def _decode_at(pred, n_tokens: int, step: float) -> float:
+    """The run's decode speedup were every step priced at ``step``."""
+    return n_tokens * pred.t_ar_s / (pred.batch_forwards * step) if pred.t_step_s > 0 else float("nan")
 
 
 def _draft_source(draft_fit, head_fit) -> str:

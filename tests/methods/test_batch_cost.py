@@ -205,7 +205,8 @@ def test_the_ar_step_is_read_at_the_speculative_steps_active_rows():
     assert sorted(terms) == pytest.approx([1.8, 6.0, 22.0])
     assert batch_cost.fit_loop(terms) == pytest.approx((0.4e-3, 0.03e-3))
     # read at B (the former accounting) the per-row term comes out wrong
-    assert batch_cost.fit_loop({b: s.beyond_s for b, s in steps.items()})[1] != pytest.approx(0.03e-3, rel=0.1)
+    at_b = batch_cost.fit_loop({b: s.beyond_s for b, s in steps.items()})
+    assert at_b[1] != pytest.approx(0.03e-3, rel=0.1)
 
 
 def test_calibrate_head_times_a_head_drafter_in_the_loop_and_stores_its_line(tiny_models, tmp_path,
@@ -223,8 +224,8 @@ def test_calibrate_head_times_a_head_drafter_in_the_loop_and_stores_its_line(tin
     g = torch.Generator().manual_seed(3)
     texts = [torch.randint(0, 300, (n,), generator=g) for n in (9, 6, 12)]
     cfg = run_config("model=micro", "threads=1", "device=cpu", "method=eagle")
-    fit, runs, path = batch_cost.calibrate_head(cfg, tiny_models.target, drafter, tree.depth, texts, [1, 2, 3],
-                                                steps=6, reps=1, cache=tmp_path)
+    fit, runs, path = batch_cost.calibrate_head(cfg, tiny_models.target, drafter, tree.depth, texts,
+                                                [1, 2, 3], steps=6, reps=1, cache=tmp_path)
     assert set(runs) == {1, 2, 3} and fit.levels == 3
     assert all(0 < s.rows <= b and s.outside_s > 0 and np.isfinite(s.beyond_s) for b, s in runs.items())
     assert batch_cost.load_head_fit(cfg, tmp_path) == fit

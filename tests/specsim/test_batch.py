@@ -347,8 +347,8 @@ def test_the_one_token_forward_is_priced_by_the_loops_own_line_where_timed():
 def _measured_device(run_config, method: str = "vanilla", *overrides: str):
     """(cfg, profile, target fit, draft fit) of a measured device whose batched steps grow with the rows."""
     cfg = run_config("model=zoo", "hardware=cpu", f"method={method}", "workload.context_tokens=160",
-                     "workload.max_new_tokens=48", "method.acceptance.kind=iid", "method.acceptance.alpha=0.7",
-                     *overrides)
+                     "workload.max_new_tokens=48", "method.acceptance.kind=iid",
+                     "method.acceptance.alpha=0.7", *overrides)
     profile = MeasuredCost((1, 5), (3e-3, 3.2e-3))
     fit = BatchFit(2e-3, 0.0, 1e-8, 4e-4, 0.0, 160, "sum", loop0=2e-4, loop_row=3e-5)
     draft = BatchFit(3e-4, 0.0, 1e-9, 6e-5, 0.0, 160, "sum", loop0=4e-4, loop_row=5e-5)
