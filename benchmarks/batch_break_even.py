@@ -76,7 +76,7 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
     """S(B), τ and B / t(B, 1) on this CPU from the method's device profile and the t(B, n) fit."""
     import torch
 
-    from methods.measurement.batch_cost import load_batch_fit
+    from methods.measurement.batch_cost import load_batch_fit, load_head_fit
     from methods.measurement.measure import run_tree
     from methods.measurement.profiles import apply_profile, load_profile, profile_config, to_measured_cost
     from run import compose_run_config
@@ -86,6 +86,7 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
     profile = load_profile(profile_config(cfg))
     fit = load_batch_fit(cfg)
     draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
+    head_fit = load_head_fit(cfg) if draft_fit is None else None
     if profile is None or fit is None:
         raise SystemExit(f"no {'device profile' if profile is None else 't(B, n) fit'} for {method} on this "
                          "CPU: run `run.py task=calibrate method=...` / benchmarks/batch_cost.py first")
@@ -95,7 +96,7 @@ def cpu_prediction(method: str, threads: int) -> pd.DataFrame:
     rows = []
     for b in batch.BATCHES:
         p = batch.predict_at_batch(mcfg, cost, fit, tree=tree, batch_size=b, with_break_even=(b == 1),
-                                   draft_fit=draft_fit)
+                                   draft_fit=draft_fit, head_fit=head_fit)
         rows.append({"method": method, "batch_size": b, "predicted_speedup": p.predicted_speedup,
                      "predicted_tau": p.predicted_tau, "ar_tokens_per_s": p.ar_tokens_per_s,
                      "roofline_ar_tokens_per_s": b / float(roof.time(b, 1)),

@@ -14,6 +14,7 @@ roofline.
     python benchmarks/batch_cost.py --ar-check 5                     # grid vs loop 1-token forward only
     python benchmarks/batch_cost.py --draft-check 10                 # draft forwards after the target's
     python benchmarks/batch_cost.py --tree-check 5                   # grid vs loop speculative forward
+    python benchmarks/batch_cost.py --head eagle                     # a head drafter's step in the loop
 
 Timings: the batched engine's verify forward (methods.core.batch_engine), chains of n nodes per row; for
 the target also the batched decode loop's autoregressive step at each B (its own timers,
@@ -49,7 +50,13 @@ Grid = dict[tuple[int, int, int], float]  # (B, n, context) → seconds
 def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
     import torch
 
-    from methods.measurement.batch_cost import loop_steps, time_ar_loop, time_draft_loop, time_grid
+    from methods.measurement.batch_cost import (
+        loop_steps,
+        loop_terms,
+        time_ar_loop,
+        time_draft_loop,
+        time_grid,
+    )
     from methods.models import load_models
     from run import compose_run_config
 
@@ -71,7 +78,7 @@ def measure(args: argparse.Namespace) -> tuple[Grid, dict]:
         fit = fit_batch_cost(grid, ctx)
         steps = loop_steps([ctx, *args.contexts])
         draft = time_draft_loop(models.target, drafter, fit, args.batches, ctx, steps, reps=args.reps)
-        loop, ar = {b: s.beyond_s for b, s in draft.items()}, {}
+        loop, ar = loop_terms(draft), {}
     else:
         ar = time_ar_loop(model, args.batches, ctx, loop_steps([ctx, *args.contexts]), reps=args.reps)
         loop, draft = {b: s.outside_s for b, s in ar.items()}, {}
@@ -175,19 +182,68 @@ def tree_check(args: argparse.Namespace) -> None:
         g = time_grid(models.target, args.batches, [1, n], [at], reps=3, warmup=1, seed=r)
         spec = time_draft_loop(models.target, drafter, price, args.batches, ctx, steps, reps=1, seed=r)
         ar = time_ar_loop(models.target, args.batches, ctx, steps, reps=1, seed=r)
+        grid_n = np.array([g[(b, n, at)] for b in args.batches])
         for b in args.batches:
-            cells.setdefault(("tree", b), []).append((g[(b, n, at)], spec[b].verify_forward_s))
-            cells.setdefault(("1-token", b), []).append((g[(b, 1, at)], ar[b].forward_s))
+            rows = spec[b].rows  # the speculative rows finish apart: its steps run fewer rows than B
+            at_rows = float(np.interp(rows, args.batches, grid_n))
+            cells.setdefault(("tree", b), []).append((g[(b, n, at)], spec[b].verify_forward_s, at_rows, rows))
+            cells.setdefault(("1-token", b), []).append((g[(b, 1, at)], ar[b].forward_s, g[(b, 1, at)], b))
     print(f"target forward, grid (context {at}) vs the loop's (context {ctx}..{ctx + steps}), "
-          f"{args.tree_check} rounds, ms (median):")
-    print(f"{'B':>3} {'forward':>8} {'grid':>8} {'loop':>8} {'grid/loop':>10}  per round")
+          f"{args.tree_check} rounds, ms (median); rows: the loop's active rows per step, and the grid's "
+          "cell read there (linear between the timed B) against the loop's forward:")
+    print(f"{'B':>3} {'forward':>8} {'grid':>8} {'loop':>8} {'grid/loop':>10} {'rows':>6} "
+          f"{'@rows/loop':>10}  per round")
     for b in args.batches:
         for kind in (f"{n}-node", "1-token"):
             v = cells[("tree" if kind != "1-token" else kind, b)]
-            ratios = [x / y for x, y in v]
-            print(f"{b:3d} {kind:>8} {statistics.median(x for x, _ in v) * 1e3:8.3f} "
-                  f"{statistics.median(y for _, y in v) * 1e3:8.3f} {statistics.median(ratios):10.3f}  "
-                  + " ".join(f"{x:.2f}" for x in ratios))
+            ratios = [x / y for x, y, _, _ in v]
+            matched = [z / y for _, y, z, _ in v]
+            print(f"{b:3d} {kind:>8} {statistics.median(x for x, *_ in v) * 1e3:8.3f} "
+                  f"{statistics.median(y for _, y, *_ in v) * 1e3:8.3f} {statistics.median(ratios):10.3f} "
+                  f"{statistics.median(r for *_, r in v):6.1f} {statistics.median(matched):10.3f}  "
+                  + " ".join(f"{x:.2f}/{y:.2f}" for x, y in zip(ratios, matched)))
+
+
+def head(args: argparse.Namespace) -> None:
+    """A head drafter's (``--head METHOD``: mtp, eagle) step in the batched loop against the AR step at the
+    same rows (methods.measurement.batch_cost.calibrate_head), on the workload's prompts, its fitted line
+    stored (unless --no-store) for the simulator's batch prediction of that method."""
+    import tempfile
+    from dataclasses import replace
+
+    import torch
+
+    from methods.core.sampling import SamplingParams
+    from methods.data.workloads import load_prompts
+    from methods.drafters.registry import build_drafter
+    from methods.measurement.batch_cost import calibrate_head
+    from methods.measurement.measure import run_tree
+    from methods.models import load_models
+    from run import compose_run_config
+
+    torch.set_num_threads(args.threads)
+    cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
+                             f"method={args.head}", "device=cpu")
+    models = load_models(cfg.model, "cpu", args.dtype)
+    tree = run_tree(cfg)
+    drafter = build_drafter(cfg.method, tree, models, SamplingParams(0.0), cfg.tree)
+    tree = getattr(drafter, "tree", None) or tree  # a drafter may cut it (MTP: to its modules' depth)
+    w = replace(cfg.workload, num_prompts=max(args.batches))
+    texts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
+    cache = Path(tempfile.mkdtemp()) if args.no_store else None
+    fit, runs, path = calibrate_head(cfg, models.target, drafter, tree.depth, texts, args.batches,
+                                     steps=int(cfg.workload.max_new_tokens), reps=args.reps, cache=cache)
+    print(f"{args.head} (tree of {tree.size} nodes, {tree.depth} levels) in the batched loop, "
+          f"{cfg.workload.name} prompts, {cfg.workload.max_new_tokens} tokens, ms per step: the speculative "
+          "step outside its target forward, the AR step's at the same rows, the head step (their difference)")
+    print(f"{'B':>3} {'rows':>5} {'spec out':>9} {'AR@rows':>8} {'head':>7} {'fitted':>7} "
+          f"{'draft timer':>11} {'spec fwd':>9}")
+    for b, st in sorted(runs.items()):
+        print(f"{b:3d} {st.rows:5.1f} {st.outside_s * 1e3:9.3f} {st.ar_rows_s * 1e3:8.3f} "
+              f"{st.beyond_s * 1e3:7.3f} {float(fit.time(st.rows)) * 1e3:7.3f} {st.draft_s * 1e3:11.3f} "
+              f"{st.verify_forward_s * 1e3:9.3f}")
+    print(f"head step: {fit.step0 * 1e3:.3f} ms + {fit.step_row * 1e6:.1f} us per row ({fit.levels} levels)")
+    print(f"{'not stored' if args.no_store else 'stored'}: {path}")
 
 
 def errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
@@ -236,17 +292,18 @@ def report(grid: Grid, args: argparse.Namespace, loop: dict[int, float], ar: dic
         print(f"\n{what}, context {ref_ctx}: {fit.loop0 * 1e3:.3f} ms + {fit.loop_row * 1e6:.1f} us per row")
         for bb, tt in sorted(loop.items()):
             t_fwd = float(fit.time(bb, 1, ref_ctx))
-            print(f"  B {bb:3d}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} fitted "
-                  f"({tt / t_fwd:.0%} of a 1-token forward)")
+            print(f"  rows {bb:5.1f}: {tt * 1e3:6.3f} ms measured, {float(fit.loop_time(bb)) * 1e3:6.3f} "
+                  f"fitted ({tt / t_fwd:.0%} of a 1-token forward)")
     if draft:
         print("\nthe speculative step (draft chain) outside its target forward, less the autoregressive "
               "step's, ms per step: = the draft's forwards at the grid's price + beyond (the fit's loop "
               "terms) = draft host + the draft's forwards as the loop times them + verification and leaving "
               "rows")
-        print(f"{'B':>3} {'spec-AR':>8} {'grid fwd':>9} {'beyond':>7} | {'host':>6} {'loop fwd':>9} "
-              f"{'loop/grid':>9} {'verify':>7}")
+        print("(the AR step's outside read at the speculative step's active rows: its rows finish apart)")
+        print(f"{'B':>3} {'rows':>5} {'spec-AR':>8} {'grid fwd':>9} {'beyond':>7} | {'host':>6} "
+              f"{'loop fwd':>9} {'loop/grid':>9} {'verify':>7}")
         for bb, s in sorted(draft.items()):
-            print(f"{bb:3d} {(s.outside_s - s.ar_outside_s) * 1e3:8.3f} {s.grid_s * 1e3:9.3f} "
+            print(f"{bb:3d} {s.rows:5.1f} {(s.outside_s - s.ar_rows_s) * 1e3:8.3f} {s.grid_s * 1e3:9.3f} "
                   f"{s.beyond_s * 1e3:7.3f} | {s.host_s * 1e3:6.3f} {s.forwards_s * 1e3:9.3f} "
                   f"{s.forwards_s / s.grid_s:9.2f} {s.verify_s * 1e3:7.3f}")
     if ar:
@@ -302,7 +359,11 @@ def main() -> None:
     ap.add_argument("--tree-check", type=int, default=0, metavar="N",
                     help="only compare the grid's (gamma + 1)-node forward with the loop's speculative one, "
                     "and the 1-token forwards beside, N interleaved rounds")
+    ap.add_argument("--head", metavar="METHOD",
+                    help="only time this head drafter's (mtp, eagle) step in the loop, store its line")
     args = ap.parse_args()
+    if args.head:
+        return head(args)
     if args.ar_check:
         return ar_check(args)
     if args.tree_check:
@@ -322,8 +383,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({**doc, "grid": rows}))
     from methods.measurement.batch_cost import DraftLoopStep, LoopStep
 
-    loop = {int(b): float(t) for b, t in doc.get("loop", [])}
-    ar = {int(b): LoopStep(loop.get(int(b), 0.0), float(t), float(c))
+    loop = {float(b): float(t) for b, t in doc.get("loop", [])}
+    ar = {int(b): LoopStep(loop.get(float(b), 0.0), float(t), float(c))
           for b, t, c in doc.get("loop_forward", [])}
     draft = {int(b): DraftLoopStep(*map(float, rest)) for b, *rest in doc.get("draft_loop", [])}
     fit = report(grid, args, loop, ar, draft)

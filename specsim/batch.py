@@ -36,6 +36,11 @@ trees and the rows leaving at different steps). B = 1 stays the profile's one-se
 (task=measure decodes a batch of one alone).
 The autoregressive step's 1-token forward, where the fit has it (``ar_context`` > 0), is the loop's own
 timed forward (ar0 + ar_row · B at ar_context cached tokens, kv · B per token beyond), not the grid's.
+A head drafter (MTP, EAGLE) with a :class:`HeadFit` is priced by its own step timed in the batched loop,
+else as the target's t(B, 1) grows. A static batch's run is priced step by step at the rows still decoding
+(:func:`active_rows`, :func:`static_batch_steps`): its rows finish steps apart, and the grid's t(B, n) read
+at the rows each step runs is what the loop pays (the zoo, vanilla, B = 8 and 32: the loop's 5-node forward
+over the grid's cell at the same rows 0.96-1.05 in CPU time, against 1.23-1.40 at B rows).
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ import numpy as np
 from specsim.config import HardwareConfig, RunConfig
 from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
 
-BATCH_FIT_FORMAT = 4  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
+BATCH_FIT_FORMAT = 5  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
 # 1-token forward as the loop runs it; 4: a draft fit's loop terms = its speculative step beyond the AR step
-# and its forwards at the grid's price)
+# and its forwards at the grid's price; 5: ... beyond the AR step at the speculative step's active rows, a
+# law over rows; HeadFit)
 BATCHES = (1, 2, 4, 8, 16, 32)  # the batch sizes reported by default
 MAX_SEARCH_BATCH = 4096  # B* beyond this is reported as None (speculation pays at every batch searched)
 
@@ -226,6 +232,34 @@ def fit_batch_cost(grid: Mapping[tuple[int, ...], float], context: int,
     return best
 
 
+@dataclass(frozen=True)
+class HeadFit:
+    """A head drafter's (MTP's modules, EAGLE's head) draft step in the batched decode loop, timed there
+    (methods.measurement.batch_cost.calibrate_head): what the loop's speculative step with the drafter
+    costs outside its target forward beyond the autoregressive step at the same rows — the heads' forwards
+    over every row's fed nodes, their top-k, the catch-up, the verification of B trees and the rows leaving
+    — as step0 + step_row · rows seconds per step, on a tree of ``levels`` levels (a tree of D levels pays
+    D / levels of it: one head forward per level). Priced so, not as the target's t(B, 1) grows: the
+    heads' work grows with the rows' nodes while the target's 1-token forward reads its weights once."""
+
+    step0: float
+    step_row: float
+    levels: int
+    source: str = "head loop"
+
+    def time(self, rows: Any, levels: Any = None) -> float | np.ndarray:
+        t = (self.step0 + self.step_row * np.asarray(rows, float)) * (
+            1.0 if levels is None else np.asarray(levels, float) / self.levels)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> HeadFit:
+        return cls(**dict(doc))
+
+
 # ---- a single-row cost model at batch B ----------------------------------------------------------------
 @dataclass(frozen=True)
 class AtBatch:
@@ -270,11 +304,12 @@ class BatchedLoop:
     base: TargetCost
     fit: BatchFit
     source: str = "measured"
+    one_sequence: bool = True  # B = 1 is the one-sequence loop (False: the batched loop's last row)
 
     def time(self, batch: Any, n: Any) -> float | np.ndarray:
         b, n = np.broadcast_arrays(np.asarray(batch, float), np.asarray(n, float))
         batched = np.asarray(self.fit.time(b, n)) + np.asarray(self.fit.loop_time(b))
-        t = np.where(b <= 1, np.asarray(self.base.time(n)), batched)
+        t = np.where(b <= 1, np.asarray(self.base.time(n)), batched) if self.one_sequence else batched
         return float(t) if np.ndim(t) == 0 else t
 
 
@@ -286,15 +321,17 @@ class BatchCostModel:
     single: CostModel
     target: Any  # BatchCost
     draft: Any = None  # BatchCost | None
+    head: HeadFit | None = None  # a head drafter's step in the batched loop (on a measured device)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
-                    draft_fit: BatchFit | None = None) -> BatchCostModel:
+                    draft_fit: BatchFit | None = None, head_fit: HeadFit | None = None) -> BatchCostModel:
         """The roofline of hardware × model at B rows, or — with a measured ``profile`` t(n) and this
         device's ``fit`` — the batched loop's measured step at B ≥ 2 (:class:`BatchedLoop`, the fit at the
         workload's context). A measured profile without a fit falls back to the roofline's growth
         (t_profile(n) · roofline(B, n) / roofline(1, n), :class:`Anchored`). ``draft_fit``: the draft
-        model's own batched forward, priced at the workload's context too."""
+        model's own batched forward, priced at the workload's context too; ``head_fit``: a head drafter's
+        draft step timed in the batched loop (:class:`HeadFit`, read with a fit only)."""
         single = CostModel.from_config(cfg, profile)
         context = cfg.workload.context_tokens
         roof = BatchRoofline.from_config(cfg.hardware, ModelShape.target(cfg.model), context)
@@ -307,23 +344,30 @@ class BatchCostModel:
         draft: Any = None if draft_fit is None else replace(draft_fit, context_tokens=int(context))
         if draft is None and single.draft.model is not None:  # draft_cost=roofline: its own rows too
             draft = BatchRoofline.from_roofline(single.draft.model)
-        return cls(single, target, draft)
+        return cls(single, target, draft, head_fit if isinstance(target, BatchedLoop) else None)
 
     def at(self, batch: int) -> CostModel:
         """The single-row CostModel whose t(n) is t(B, n) and whose draft step is priced at B rows."""
         target = AtBatch(self.target, int(batch), getattr(self.target, "source", "batch"))
         d = self.single.draft
+        t11 = float(self.single.target.time(1))  # the profile's t(1): what its draft ratios are ratios of
         if d.model is not None and isinstance(self.draft, BatchRoofline):
             draft = replace(d, model=AtBatch(self.draft, int(batch), "roofline"))
         elif self.draft_forwards(batch):  # the draft model's batched forward, one per tree level
             # plus what the loop's speculative step costs beyond them and the AR step (the draft fit's loop
             # terms, methods.measurement.batch_cost.time_draft_loop), per step
             tb1 = float(self.target.time(batch, 1))
-            fixed = (d.fixed_ratio * float(self.target.time(1, 1)) + self.draft.loop_time(batch)) / tb1
+            fixed = (d.fixed_ratio * t11 + self.draft.loop_time(batch)) / tb1
             draft = replace(d, model=AtBatch(self.draft, int(batch), "draft fit"), ratio=0.0,
                             fixed_ratio=fixed, fed_width=False)
+        elif self.head is not None and (batch > 1 or not getattr(self.target, "one_sequence", True)):
+            # the head's step as the batched loop times it (HeadFit), in t(B, 1)
+            step = float(self.head.time(batch)) / float(self.target.time(batch, 1))
+            ratio, fixed = (0.0, step) if d.one_pass else (step / self.head.levels, 0.0)
+            draft = replace(d, ratio=ratio, fixed_ratio=fixed, model=None, fed_width=False,
+                            tokens_per_forward=1.0)
         else:  # ratios of t(1): rescale so that ratio · t(B, 1) = the draft step at B
-            t11, tb1 = float(self.target.time(1, 1)), float(self.target.time(batch, 1))
+            tb1 = float(self.target.time(batch, 1))
             grow = tb1 / t11 if self.draft is None else (
                 float(self.draft.time(batch, 1)) / float(self.draft.time(1, 1)))
             scale = grow * t11 / tb1
@@ -332,10 +376,19 @@ class BatchCostModel:
 
     def draft_forwards(self, batch: int) -> bool:
         """The draft step at ``batch`` is the measured draft fit's forwards (a draft model drafting level
-        by level, at B ≥ 2 on a measured device) rather than a ratio of t(1)."""
+        by level, on a measured device at B ≥ 2 or in the batched loop's last rows) rather than a ratio of
+        t(1)."""
         d = self.single.draft
-        return (batch > 1 and isinstance(self.draft, BatchFit) and isinstance(self.target, BatchedLoop)
-                and d.model is None and not d.one_pass)
+        return (isinstance(self.draft, BatchFit) and isinstance(self.target, BatchedLoop)
+                and (batch > 1 or not self.target.one_sequence) and d.model is None and not d.one_pass)
+
+    def rows(self, batch: int) -> CostModel:
+        """:meth:`at` ``batch`` as a batch that started larger pays for its last ``batch`` rows: one row
+        too is a step of the batched loop (on a measured device), not the one-sequence loop's."""
+        target = self.target
+        if isinstance(target, BatchedLoop):
+            target = replace(target, one_sequence=False)
+        return replace(self, target=target).at(batch)
 
 
 def _as_fit(r: BatchRoofline) -> BatchFit:
@@ -384,13 +437,20 @@ class BatchPrediction:
     spec_tokens_per_s: float  # B · τ / t_step
     break_even_batch: float | None  # B*: None = speculation pays at every B searched
     cost_source: str
-    # a generation of workload.max_new_tokens per row: n · t(B, 1) / (E[forwards] · t_step), E[forwards] of
-    # a static batch = E[max over its B rows] (it steps until its slowest row is done; continuous batching
-    # refills rows: one row's mean); the measured counterpart is decode_speedup
+    # a generation of workload.max_new_tokens per row: n · t(B, 1) / (E[forwards] · t_run_step), E[forwards]
+    # of a static batch = E[max over its B rows] (it steps until its slowest row is done, its steps running
+    # the rows not done yet; continuous batching refills rows: one row's mean at B rows); the measured
+    # counterpart is decode_speedup
     predicted_decode_speedup: float = float("nan")
     batch_forwards: float = float("nan")  # E[forwards] of the batch (the autoregressive side: n)
     t_verify_s: float = float("nan")  # the step's terms: the verify (target forward and loop work at B)
     t_draft_s: float = float("nan")  # and the drafting at B (t_step_s = their sum)
+    # the run's mean step (its expected time over batch_forwards): a static batch's rows leave as they
+    # finish, so its later steps run fewer rows (static_batch_steps); the measured per-step terms are these
+    t_run_step_s: float = float("nan")
+    t_run_verify_s: float = float("nan")
+    t_run_draft_s: float = float("nan")
+    mean_rows: float = float("nan")  # active rows per step of the run (B while every row decodes)
 
     def to_metrics(self, prefix: str = "") -> dict[str, Any]:
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
@@ -503,10 +563,40 @@ def mixture_batch_forwards(laws: Sequence[np.ndarray], n_tokens: int, batch: int
     return float(np.sum(1.0 - np.clip(cdf[:-1], 0.0, 1.0) ** int(batch)))
 
 
+def active_rows(laws: Sequence[np.ndarray], n_tokens: int, batch: int) -> np.ndarray:
+    """(n_tokens, batch + 1): P(B_s = k), the rows of a static batch still decoding at its step s = 1 …
+    n_tokens, every row a prompt drawn at random from ``laws`` (as :func:`mixture_batch_forwards`): a row
+    decodes at step s while its forwards F ≥ s, so B_s ~ Binomial(B, P(F ≥ s)). Summed over k ≥ 1 and s:
+    E[max over the rows of F] (:func:`mixture_batch_forwards`)."""
+    from scipy.stats import binom
+
+    from specsim.expected import forwards_law
+
+    cdf = np.mean([np.cumsum(forwards_law(law, n_tokens)) for law in laws], axis=0)
+    alive = 1.0 - np.clip(cdf[:-1], 0.0, 1.0)  # P(F ≥ s) = 1 − P(F ≤ s − 1), s = 1 … n_tokens
+    return binom.pmf(np.arange(int(batch) + 1)[None], int(batch), alive[:, None])
+
+
+def static_batch_steps(cost: BatchCostModel, tree: Any, occupancy: np.ndarray) -> tuple[float, float, float]:
+    """(expected steps, their draft seconds, their verify seconds) of a static batch whose step s runs k rows
+    with probability ``occupancy[s, k]`` (:func:`active_rows`): each step priced at the rows it runs, as the
+    batched loop pays it (:meth:`BatchCostModel.rows`: its last row too). The step at B rows priced for every
+    step read the loop's speculative forward +9…+16% dear at B ≥ 8 on the zoo (vanilla, 64 tokens): the
+    rows of a batch of 32 finish ~10 steps apart, and its steps ran 25 rows on average."""
+    steps_with = occupancy[:, 1:].sum(0)  # (B,) expected steps run with k = 1 … B rows
+    draft = verify = 0.0
+    for k, w in enumerate(steps_with, start=1):
+        if w > 0:
+            at = cost.rows(k)
+            draft += w * at.draft_time(tree)
+            verify += w * at.tree_verify_time(tree)
+    return float(steps_with.sum()), float(draft), float(verify)
+
+
 def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
                      tree: Any = None, batch_size: int | None = None, draft_fit: BatchFit | None = None,
-                     with_break_even: bool = True, prompt_hists: Sequence[Sequence[int]] | None = None
-                     ) -> BatchPrediction:
+                     with_break_even: bool = True, prompt_hists: Sequence[Sequence[int]] | None = None,
+                     head_fit: HeadFit | None = None) -> BatchPrediction:
     """The simulator's prediction at ``batch_size`` (default ``cfg.workload.batch_size``) for the measure
     path: τ from ``cfg.method.acceptance`` (pass ``apply_profile(cfg, profile)``'s config for the measured
     one), t(B, n) from the hardware roofline or — with a measured single-row ``profile`` t(n) — that
@@ -515,26 +605,35 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
     B). S(B) compares the batched speculative step with the batched autoregressive step of the same B.
     ``prompt_hists``: calibration's per-prompt histograms of accepted drafts per step for this tree (the
     profile's ``loop_accept_hist_by_prompt``): rows then differ in acceptance (:func:`prompt_laws`) and a
-    static batch's length is :func:`mixture_batch_forwards`; without them every row has the one law."""
+    static batch's length is :func:`mixture_batch_forwards`; without them every row has the one law.
+    A static batch's steps are priced at the rows still decoding (:func:`static_batch_steps`).
+    ``head_fit``: a head drafter's batched draft step (:class:`HeadFit`)."""
     from specsim.acceptance import from_config
     from specsim.expected import accepted_length_law
 
     b = int(cfg.workload.batch_size if batch_size is None else batch_size)
-    cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit)
+    cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit, head_fit)
     (_, tau, s, t), = speedup_curve(cfg, [b], cost, tree)
     at = cost.at(b)
     step = at.step_time(t)
     b_star = break_even_batch(cfg, cost, tree) if with_break_even else None
     n = int(cfg.workload.max_new_tokens)
-    rows = 1 if getattr(cfg.workload, "continuous", False) else b
-    forwards = float(n)
+    rows = 1 if getattr(cfg.workload, "continuous", False) else b  # continuous batching refills its rows
+    forwards, draft, verify, mean_rows = float(n), at.draft_time(t), at.tree_verify_time(t), float(b)
     if t.depth > 0:
         law = accepted_length_law(t, from_config(cfg.method.acceptance))
         laws = prompt_laws(prompt_hists, law) if prompt_hists else [law]
-        forwards = mixture_batch_forwards(laws, n, rows)
-    decode = n * at.ar_time / (forwards * step) if t.depth > 0 else 1.0
+        occupancy = active_rows(laws, n, rows)
+        if rows > 1:  # a static batch: its last steps run the rows still decoding
+            forwards, run_draft, run_verify = static_batch_steps(cost, t, occupancy)
+            draft, verify = run_draft / forwards, run_verify / forwards
+            mean_rows = float(occupancy[:, 1:].sum(0) @ np.arange(1, rows + 1)) / forwards
+        else:
+            forwards = float(occupancy[:, 1:].sum())
+    decode = n * at.ar_time / (forwards * (draft + verify)) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,
-                           at.target.source, decode, forwards, at.tree_verify_time(t), at.draft_time(t))
+                           at.target.source, decode, forwards, at.tree_verify_time(t), at.draft_time(t),
+                           draft + verify, verify, draft, mean_rows)
 
 
 def best_budget_by_batch(cfg: RunConfig, batches: Sequence[int] = BATCHES,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from methods.measurement.profiles import cache_root, key_document
-from specsim.batch import BATCH_FIT_FORMAT, BatchFit, fit_batch_cost
+from specsim.batch import BATCH_FIT_FORMAT, BatchFit, HeadFit, fit_batch_cost
 from specsim.config import RunConfig
 from specsim.io import atomic_write_json, read_json
 
@@ -118,10 +118,11 @@ def time_consecutive(model: Any, batch: int, context: int, k: int = 8, rounds: i
 
 
 def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Sequence[int], context: int,
-                steps: int, reps: int, seed: int, on_run: Callable[[str, int], None] | None = None
-                ) -> dict[tuple[str, int], list[Any]]:
+                steps: int, reps: int, seed: int, on_run: Callable[[str, int], None] | None = None,
+                texts: Sequence[torch.Tensor] | None = None) -> dict[tuple[str, int], list[Any]]:
     """(side, B) → the BatchResults of ``reps`` runs of the batched decode loop on ``model`` (the first round
-    warms up): B random prompts of ``context`` tokens decoded ``steps`` tokens each (no EOS) by each side
+    warms up): B random prompts of ``context`` tokens — or the first B of ``texts`` (token ids, cycled),
+    where a drafter's work depends on what it accepts — decoded ``steps`` tokens each (no EOS) by each side
     (name → its batched drafter at B rows), sides and batches interleaved round by round. ``on_run(side, B)``
     is called after every run, the warm-up's first."""
     from methods.core.batch_engine import BatchEngine
@@ -130,7 +131,12 @@ def _loop_steps(model: Any, sides: dict[str, Callable[[int], Any]], batches: Seq
 
     g = torch.Generator().manual_seed(seed + 2)
     vocab = int(model.config.vocab_size)
-    prompts = {b: [torch.randint(0, vocab, (context + 1,), generator=g) for _ in range(b)] for b in batches}
+    if texts:
+        prompts = {b: [texts[i % len(texts)] for i in range(b)] for b in batches}
+        context = max(int(x.numel()) for x in texts)
+    else:
+        prompts = {b: [torch.randint(0, vocab, (context + 1,), generator=g) for _ in range(b)]
+                   for b in batches}
     engines = {b: BatchEngine(model, b, capacity=context + 2 * steps + 2) for b in batches}
     drafters = {(name, b): make(b) for name, make in sides.items() for b in batches}
     opts = DecodeOptions(max_new_tokens=steps)
@@ -151,6 +157,12 @@ def _per_step(results: Sequence[Any], seconds: Callable[[Any], float]) -> float:
 
 def _outside(r: Any) -> float:
     return r.time_total_s - r.time_prefill_s - r.time_forward_s
+
+
+def _rows(results: Sequence[Any]) -> float:
+    """Active rows per step over the runs (rows leave a static batch as they finish: a speculative batch's
+    later steps run fewer rows than it started with)."""
+    return statistics.median(r.row_steps / r.n_steps for r in results)
 
 
 @dataclass(frozen=True)
@@ -209,22 +221,34 @@ class DraftLoopStep:
     ar_outside_s: float  # the autoregressive step's outside, and its draft timer
     ar_draft_s: float
     verify_forward_s: float = 0.0  # the speculative step's target forward (a chain of γ + 1 per row)
+    # the speculative step's active rows per step (its rows leave as they finish; 0: not recorded, B) and
+    # the autoregressive step's outside at that many rows (the AR runs' line over B; nan: ar_outside_s)
+    rows: float = 0.0
+    ar_at_rows_s: float = float("nan")
 
     @classmethod
-    def of(cls, spec: Sequence[Any], ar: Sequence[Any], forwards: Sequence[tuple[float, float]]
+    def of(cls, spec: Sequence[Any], ar: Sequence[Any], forwards: Sequence[tuple[float, float]] | None = None
            ) -> DraftLoopStep:
         """Medians per step over the speculative runs ``spec`` (BatchResults), their draft forwards
-        (``forwards``: per run, (seconds timed, grid price)) and the autoregressive runs ``ar``."""
+        (``forwards``: per run, (seconds timed, grid price); None: a drafter without forwards of a draft
+        model, a head) and the autoregressive runs ``ar``."""
         draft_timer = lambda r: r.time_draft_s  # noqa: E731
+        forwards = forwards or [(0.0, 0.0)] * len(spec)
         fwd = statistics.median(f / r.n_steps for (f, _), r in zip(forwards, spec))
         grid = statistics.median(g / r.n_steps for (_, g), r in zip(forwards, spec))
+        rows = _rows(spec) if all(hasattr(r, "row_steps") for r in spec) else 0.0
         return cls(_per_step(spec, _outside), _per_step(spec, draft_timer), fwd, grid,
                    _per_step(ar, _outside), _per_step(ar, draft_timer),
-                   _per_step(spec, lambda r: r.time_forward_s))
+                   _per_step(spec, lambda r: r.time_forward_s), rows)
+
+    @property
+    def ar_rows_s(self) -> float:
+        """The autoregressive step's outside at the speculative step's rows."""
+        return self.ar_outside_s if np.isnan(self.ar_at_rows_s) else self.ar_at_rows_s
 
     @property
     def beyond_s(self) -> float:
-        return self.outside_s - self.ar_outside_s - self.grid_s
+        return self.outside_s - self.ar_rows_s - self.grid_s
 
     @property
     def host_s(self) -> float:
@@ -232,11 +256,29 @@ class DraftLoopStep:
 
     @property
     def verify_s(self) -> float:
-        return (self.outside_s - self.draft_s) - (self.ar_outside_s - self.ar_draft_s)
+        return (self.outside_s - self.draft_s) - (self.ar_rows_s - self.ar_draft_s)
 
 
-def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[int], context: int,
-                    steps: int = 16, reps: int = 3, seed: int = 0) -> dict[int, DraftLoopStep]:
+def at_rows(steps: dict[int, DraftLoopStep]) -> dict[int, DraftLoopStep]:
+    """``steps`` (B → the speculative step against the AR step at B) with the AR step's outside read at
+    the speculative step's active rows, on the line fitted to the AR steps over B (:func:`fit_loop`): what
+    a step of that many rows pays outside its forward without drafting. A static batch's speculative rows
+    finish steps apart (at B = 32 on the zoo the steps ran ~22-25 rows on average), the AR rows together."""
+    if len(steps) < 2 or not all(s.rows > 0 for s in steps.values()):
+        return steps
+    ar0, ar_row = fit_loop({b: s.ar_outside_s for b, s in steps.items()})
+    return {b: replace(s, ar_at_rows_s=ar0 + ar_row * s.rows) for b, s in steps.items()}
+
+
+def loop_terms(steps: dict[int, DraftLoopStep]) -> dict[float, float]:
+    """What a fit's loop terms are fitted to: rows per step → ``beyond_s`` (B where the rows were not
+    recorded)."""
+    return {(s.rows or float(b)): s.beyond_s for b, s in steps.items()}
+
+
+def time_draft_loop(target: Any, drafter: Any, fit: BatchFit | None, batches: Sequence[int], context: int,
+                    steps: int = 16, reps: int = 3, seed: int = 0, texts: Sequence[torch.Tensor] | None = None
+                    ) -> dict[int, DraftLoopStep]:
     """B → the batched loop's speculative step with ``drafter`` (a draft model drafting its tree level by
     level on its own batched engine) against the autoregressive step, both run in one loop and timed by its
     timers (:class:`DraftLoopStep`); the draft's forwards (its engine's ``extend`` calls) are timed there
@@ -245,7 +287,10 @@ def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[
     its root last; ``extend(last=)``) at 1 token, the first level's root — its extra accepted token, which
     rows need when they accepted the whole chain, is the loop's, in ``beyond_s``. Priced from the loop
     rather than from the grid alone: the grid times a forward after an untimed copy of itself, the loop
-    after the target's forward, whose weights and KV evict the draft's."""
+    after the target's forward, whose weights and KV evict the draft's. ``fit`` None: a drafter without a
+    draft model's engine (MTP, EAGLE heads): the whole step beyond the AR step is ``beyond_s``. The AR step
+    is read at the speculative step's active rows (:func:`at_rows`). ``texts``: prompts (token ids) instead
+    of random ones (``_loop_steps``)."""
     from methods.core.batch_drafter import batched
     from methods.drafters.autoregressive import Autoregressive
 
@@ -254,6 +299,8 @@ def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[
 
     def draft_side(b: int) -> Any:
         side = batched(drafter, b)
+        if fit is None:
+            return side
         engine = side.engine  # the draft model's BatchEngine: a drafter without one is not a draft model
         acc[b] = [0.0, 0.0]
         inner = engine.extend
@@ -272,25 +319,26 @@ def time_draft_loop(target: Any, drafter: Any, fit: BatchFit, batches: Sequence[
         return side
 
     def probe(name: str, b: int) -> None:
-        if name == "draft":
+        if name == "draft" and fit is not None:
             per_run[b].append((acc[b][0], acc[b][1]))
             acc[b] = [0.0, 0.0]
 
     sides = {"ar": lambda b: batched(Autoregressive(), b), "draft": draft_side}
-    runs = _loop_steps(target, sides, batches, context, steps, reps, seed, on_run=probe)
+    runs = _loop_steps(target, sides, batches, context, steps, reps, seed, on_run=probe, texts=texts)
     out = {}
     for b in batches:
         # the warm-up run's forwards left out, as _loop_steps leaves out its result
-        out[b] = DraftLoopStep.of(runs[("draft", b)], runs[("ar", b)], per_run[b][1:])
-    return out
+        out[b] = DraftLoopStep.of(runs[("draft", b)], runs[("ar", b)], per_run[b][1:] or None)
+    return at_rows(out)
 
 
-def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
+def fit_loop(loop: dict[Any, float]) -> tuple[float, float]:
     """(loop0, loop_row) ≥ 0: least squares of loop0 + loop_row · B on the timed loop (B → seconds; a
     negative time, a draft fit over-reading the loop's forwards, counts as 0). The loop's 1-token forward
     (:func:`with_ar`) is fitted the same way."""
-    b = np.array(sorted(loop), float)
-    t = np.maximum(np.array([loop[int(x)] for x in b]), 0.0)
+    keys = sorted(loop)
+    b = np.array(keys, float)
+    t = np.maximum(np.array([loop[x] for x in keys], float), 0.0)
     if len(b) < 2:
         return float(t.mean()), 0.0
     slope, icpt = np.polyfit(b, t, 1)
@@ -304,19 +352,23 @@ def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
 # BatchEngine's forward: 3 = KV and attention in batch_engine.attention_dtype (float32 on CPUs without AMX,
 # else the model's); 2 = in the model's dtype
 ENGINE_VERSION = 3
-ROLES = ("target", "draft")  # whose forward was timed: the target p, or the draft model q (vanilla)
+# whose step was timed: the target p, the draft model q (vanilla), or a head drafter's (MTP, EAGLE) step
+ROLES = ("target", "draft", "head")
 
 
 def batch_key(cfg: RunConfig, role: str = "target") -> str:
     """What t(B, n) depends on: the model's weights and dtype, the device, torch's threads and version,
     the batched engine's version (not the drafter nor the workload: the context is a variable of the fit);
-    ``role`` "draft": the draft model's forward (its own fit, next to the target's)."""
+    ``role`` "draft": the draft model's forward (its own fit, next to the target's); "head": the method's
+    head drafter's step (its drafter, params and tree too)."""
     assert role in ROLES, role
     doc = key_document(cfg)
     doc = {"format": BATCH_FIT_FORMAT, "engine": ENGINE_VERSION,
            **{k: doc[k] for k in ("model", "device", "threads", "torch")}}
+    if role == "head":
+        doc.update(drafter=cfg.method.drafter, params=cfg.method.params, tree=cfg.tree)
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    who = "" if role == "target" else "draft-"
+    who = {"target": "", "draft": "draft-", "head": f"head-{cfg.method.name}-"}[role]
     return f"batch-{who}{cfg.model.name}-{cfg.model.dtype}-{digest}"
 
 
@@ -351,6 +403,34 @@ def load_batch_fit(cfg: RunConfig, cache: Path | None = None, role: str = "targe
         return None
 
 
+def calibrate_head(cfg: RunConfig, target: Any, drafter: Any, levels: int, texts: Sequence[torch.Tensor],
+                   batches: Sequence[int] = GRID_BATCHES, steps: int = 64, reps: int = 3,
+                   cache: Path | None = None) -> tuple[HeadFit, dict[int, DraftLoopStep], Path]:
+    """Time a head ``drafter`` (MTP, EAGLE; its tree ``levels`` deep) in the batched loop on ``target``
+    against the autoregressive step, interleaved (:func:`time_draft_loop` without a draft fit), decoding
+    ``texts`` (the workload's prompts: the heads' catch-up grows with what the rows accept), and fit its
+    step beyond the AR step at the same rows: step0 + step_row · rows (:func:`loop_terms`); store it."""
+    runs = time_draft_loop(target, drafter, None, batches, 0, steps, reps=reps, seed=cfg.seed, texts=texts)
+    step0, step_row = fit_loop(loop_terms(runs))
+    fit = HeadFit(step0, step_row, int(levels))
+    path = batch_profile_path(cfg, cache, "head")
+    doc = {"format": BATCH_FIT_FORMAT, "head": fit.to_json(),
+           "draft_loop": [[b, *astuple(s)] for b, s in sorted(runs.items())]}
+    return fit, runs, atomic_write_json(path, doc)
+
+
+def load_head_fit(cfg: RunConfig, cache: Path | None = None) -> HeadFit | None:
+    """The stored head step of ``cfg``'s method on this device (:func:`calibrate_head`), or None."""
+    path = batch_profile_path(cfg, cache, "head")
+    if not path.is_file():
+        return None
+    try:
+        doc = read_json(path)
+        return HeadFit.from_json(doc["head"]) if doc.get("format") == BATCH_FIT_FORMAT else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
                     batches: Sequence[int] = GRID_BATCHES, sizes: Sequence[int] = GRID_TOKENS,
                     reps: int = 5, warmup: int = 1, cache: Path | None = None, role: str = "target",
@@ -374,7 +454,7 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
     elif drafter is not None:
         draft = time_draft_loop(target, drafter, fit, batches, contexts[0], loop_steps(contexts), reps=reps,
                                 seed=cfg.seed)
-        loop = {b: s.beyond_s for b, s in draft.items()}
+        loop = loop_terms(draft)
     else:
         loop = {}
     if loop:
@@ -382,8 +462,8 @@ def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
     return fit, grid, save_batch_fit(fit, batch_profile_path(cfg, cache, role), grid, loop, ar, draft)
 
 
-def with_loop(fit: BatchFit, loop: dict[int, float]) -> BatchFit:
-    """``fit`` with the loop's time outside the forward fitted to ``loop`` (B → seconds per step)."""
+def with_loop(fit: BatchFit, loop: dict[Any, float]) -> BatchFit:
+    """``fit`` with the loop's time outside the forward fitted to ``loop`` (rows → seconds per step)."""
     loop0, loop_row = fit_loop(loop)
     return replace(fit, loop0=loop0, loop_row=loop_row)
 

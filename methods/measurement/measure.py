@@ -32,7 +32,7 @@ from methods.core.sampling import SamplingParams
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import backbone_of, build_drafter
-from methods.measurement.batch_cost import load_batch_fit
+from methods.measurement.batch_cost import load_batch_fit, load_head_fit
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.dynamic_shapes import ensure_shapes, nodes_per_depth
 from methods.measurement.profiles import (
@@ -307,9 +307,11 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
     ``*_batch1``."""
     fit = load_batch_fit(cfg)
     draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
+    head_fit = load_head_fit(cfg) if draft_fit is None and profile is not None else None
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
     hists = _prompt_hists(profile, tree)
-    pred = predict_at_batch(pcfg, cost, fit, tree=tree, draft_fit=draft_fit, prompt_hists=hists)
+    pred = predict_at_batch(pcfg, cost, fit, tree=tree, draft_fit=draft_fit, prompt_hists=hists,
+                            head_fit=head_fit)
     out = {f"{k}_batch1": v for k, v in one_sequence.items()
            if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
                     "predicted_tokens_per_forward")}
@@ -318,24 +320,47 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                predicted_batch_forwards=pred.batch_forwards,
                predicted_tokens_per_forward=cfg.workload.max_new_tokens / pred.batch_forwards,
                prediction_batch_size=pred.batch_size, break_even_batch=pred.break_even_batch,
-               predicted_t_step_s=pred.t_step_s, predicted_t_ar_s=pred.t_ar_s,
-               predicted_t_verify_s=pred.t_verify_s, predicted_t_draft_s=pred.t_draft_s,
+               # the run's mean step (its later steps run the rows not done yet), as the timers measure it;
+               # the step at B rows (S(B)'s) beside it
+               predicted_t_step_s=pred.t_run_step_s, predicted_t_ar_s=pred.t_ar_s,
+               predicted_t_verify_s=pred.t_run_verify_s, predicted_t_draft_s=pred.t_run_draft_s,
+               predicted_t_step_full_s=pred.t_step_s, predicted_mean_rows=pred.mean_rows,
                **_forward_terms(pred, fit if profile is not None else None),
                ar_tokens_per_s=pred.ar_tokens_per_s, predicted_spec_tokens_per_s=pred.spec_tokens_per_s,
                batch_cost_source="fit" if fit is not None else "roofline growth",
-               batch_draft_cost_source="draft fit" if draft_fit is not None else "as the target grows",
-               batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law")
+               batch_draft_cost_source=_draft_source(draft_fit, head_fit if fit is not None else None),
+               batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law",
+               # the former pricings beside it: every step at B rows; a head drafter's draft as the target
+               # grows (without its loop-timed step)
+               predicted_decode_speedup_b_rows=_decode_at(pred, cfg.workload.max_new_tokens, pred.t_step_s))
+    if head_fit is not None and fit is not None:
+        grown = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists, with_break_even=False)
+        out["predicted_decode_speedup_head_grown"] = grown.predicted_decode_speedup
     return out
+
+
+def _decode_at(pred, n_tokens: int, step: float) -> float:
+    """The run's decode speedup were every step priced at ``step``."""
+    return n_tokens * pred.t_ar_s / (pred.batch_forwards * step) if pred.t_step_s > 0 else float("nan")
+
+
+def _draft_source(draft_fit, head_fit) -> str:
+    """How the batch prediction priced the draft step at B (batch_draft_cost_source)."""
+    if draft_fit is not None:
+        return "draft fit"
+    return "as the target grows" if head_fit is None else "head loop"
 
 
 def _forward_terms(pred, fit) -> dict[str, float | None]:
     """The predicted step's target forwards alone and the batched loop's time outside them (None without a
-    fit or a profile: the roofline, or the profile grown by it, prices whole steps)."""
+    fit or a profile: the roofline, or the profile grown by it, prices whole steps): the autoregressive
+    step's at B rows, the speculative run's mean step's at its mean rows (the loop's time is linear in
+    the rows)."""
     if fit is None:
         return {"predicted_t_loop_s": None, "predicted_t_forward_s": None, "predicted_t_ar_forward_s": None}
     loop = float(fit.loop_time(pred.batch_size))
-    return {"predicted_t_loop_s": loop, "predicted_t_forward_s": pred.t_verify_s - loop,
-            "predicted_t_ar_forward_s": pred.t_ar_s - loop}
+    return {"predicted_t_loop_s": loop, "predicted_t_forward_s": pred.t_run_verify_s - fit.loop_time(
+        pred.mean_rows), "predicted_t_ar_forward_s": pred.t_ar_s - loop}
 
 
 def _prompt_hists(profile, tree: Tree) -> list | None:

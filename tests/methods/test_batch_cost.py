@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from methods.measurement import batch_cost
 from specsim.batch import BATCH_FIT_FORMAT, BatchCostModel, BatchFit
@@ -100,7 +101,7 @@ def test_the_loops_time_outside_the_forwards_is_timed_and_stored(tiny_models, tm
                                                 target=tiny_models.target, drafter=drafter)
     assert batch_cost.load_batch_fit(cfg, tmp_path, "draft") == dfit
     doc = json.loads(dpath.read_text())
-    assert [row[0] for row in doc["draft_loop"]] == [1, 2, 3] and all(len(r) == 8 for r in doc["draft_loop"])
+    assert [row[0] for row in doc["draft_loop"]] == [1, 2, 3] and all(len(r) == 10 for r in doc["draft_loop"])
 
 
 def _run(steps: int, outside_ms: float, draft_ms: float, forward_ms: float = 5.0) -> SimpleNamespace:
@@ -183,3 +184,56 @@ def test_time_consecutive_runs_the_draft_model_after_the_targets_forward(tiny_mo
 def test_the_calibration_loop_runs_across_the_grids_contexts():
     assert batch_cost.loop_steps([128, 192]) == 64  # the code workload: prompt 128, 64 new tokens
     assert batch_cost.loop_steps([128]) == 16 and batch_cost.loop_steps([8, 12]) == 16
+
+
+def test_the_ar_step_is_read_at_the_speculative_steps_active_rows():
+    """A static batch's speculative rows finish steps apart (its steps ran ~22 rows of 32 on the zoo), the
+    AR rows together: what the speculative step costs beyond the AR step is taken at the rows it ran, on
+    the AR steps' line over B, and the loop terms are a law over those rows."""
+    steps = {}
+    for b, rows in ((2, 1.8), (8, 6.0), (32, 22.0)):
+        ar = [SimpleNamespace(**vars(_run(64, 0.1 + 0.01 * b, 0.05)), row_steps=64 * b)]
+        spec = [SimpleNamespace(**vars(_run(20, 0.5 + 0.04 * rows, 0.3)), row_steps=round(20 * rows))]
+        steps[b] = batch_cost.DraftLoopStep.of(spec, ar)
+    assert [s.rows for s in steps.values()] == pytest.approx([1.8, 6.0, 22.0])
+    assert all(s.beyond_s == pytest.approx(s.outside_s - s.ar_outside_s) for s in steps.values())  # not yet
+    read = batch_cost.at_rows(steps)
+    for s in read.values():
+        assert s.ar_rows_s == pytest.approx((0.1 + 0.01 * s.rows) * 1e-3)
+        assert s.beyond_s == pytest.approx((0.4 + 0.03 * s.rows) * 1e-3)  # the drafter's own, at its rows
+    terms = batch_cost.loop_terms(read)
+    assert sorted(terms) == pytest.approx([1.8, 6.0, 22.0])
+    assert batch_cost.fit_loop(terms) == pytest.approx((0.4e-3, 0.03e-3))
+    # read at B (the former accounting) the per-row term comes out wrong
+    at_b = batch_cost.fit_loop({b: s.beyond_s for b, s in steps.items()})
+    assert at_b[1] != pytest.approx(0.03e-3, rel=0.1)
+
+
+def test_calibrate_head_times_a_head_drafter_in_the_loop_and_stores_its_line(tiny_models, tmp_path,
+                                                                              run_config):
+    """Real timings of a tiny EAGLE head (random) through the batched loop on prompts: each B has its
+    step beyond the AR step at its active rows; the line is stored under the method's own key and read
+    back (format and key checked)."""
+    from methods.core.sampling import SamplingParams
+    from methods.drafters.registry import build_drafter
+    from specsim.config import MethodConfig
+
+    tree = Tree.from_parents([-1, 0, 0, 1, 3])
+    drafter = build_drafter(MethodConfig(name="eagle", drafter="eagle", params={"head": "random"}), tree,
+                            tiny_models, SamplingParams(0.0))
+    g = torch.Generator().manual_seed(3)
+    texts = [torch.randint(0, 300, (n,), generator=g) for n in (9, 6, 12)]
+    cfg = run_config("model=micro", "threads=1", "device=cpu", "method=eagle")
+    fit, runs, path = batch_cost.calibrate_head(cfg, tiny_models.target, drafter, tree.depth, texts,
+                                                [1, 2, 3], steps=6, reps=1, cache=tmp_path)
+    assert set(runs) == {1, 2, 3} and fit.levels == 3
+    assert all(0 < s.rows <= b and s.outside_s > 0 and np.isfinite(s.beyond_s) for b, s in runs.items())
+    assert batch_cost.load_head_fit(cfg, tmp_path) == fit
+    assert path.name.startswith("batch-head-eagle-") and batch_cost.load_batch_fit(cfg, tmp_path) is None
+    other = run_config("model=micro", "threads=1", "device=cpu", "method=mtp")
+    assert batch_cost.batch_key(other, "head") != batch_cost.batch_key(cfg, "head")
+    assert batch_cost.load_head_fit(other, tmp_path) is None
+    doc = json.loads(path.read_text())
+    assert doc["format"] == BATCH_FIT_FORMAT
+    path.write_text(json.dumps({**doc, "format": BATCH_FIT_FORMAT - 1}))
+    assert batch_cost.load_head_fit(cfg, tmp_path) is None
