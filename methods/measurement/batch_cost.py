@@ -301,9 +301,10 @@ def fit_loop(loop: dict[int, float]) -> tuple[float, float]:
     return float(icpt), float(slope)
 
 
-# BatchEngine's forward: 3 = KV and attention in batch_engine.attention_dtype (float32 on CPUs without AMX,
-# else the model's); 2 = in the model's dtype
-ENGINE_VERSION = 3
+# BatchEngine's forward: 4 = attention in batch_engine.attention_dtype over a cache in cache_dtype (a bf16
+# model on a CPU without AMX: float32 attention over a bf16 cache, methods.core.mixed_attention); 3 = KV and
+# attention in attention_dtype (float32 on CPUs without AMX, else the model's); 2 = in the model's dtype
+ENGINE_VERSION = 4
 ROLES = ("target", "draft")  # whose forward was timed: the target p, or the draft model q (vanilla)
 
 
