@@ -18,7 +18,8 @@ def test_the_kernel_builds_on_this_machine():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("hq,hkv,d", [(6, 6, 64), (4, 2, 16), (3, 1, 24)], ids=["mha", "gqa", "generic-d"])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 6, 64), (4, 2, 16), (4, 4, 32), (2, 1, 128), (3, 1, 24)],
+                         ids=["mha", "gqa", "d32", "d128", "generic-d"])  # D = 16, 32, 64, 128: AVX-512 path
 def test_kernel_equals_float32_sdpa_over_the_same_values(dtype, m, hq, hkv, d):
     g = torch.Generator().manual_seed(0)
     rows, cap, width = 5, 40, 29
