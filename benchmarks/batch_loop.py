@@ -46,6 +46,7 @@ from methods.models import load_models  # noqa: E402
 from specsim.tree import Tree  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
+FLOAT32_CACHE = "float32-cache"  # --kv-dtypes: the default attention over a float32 cache (no mixed kernel)
 
 
 def _rates(r: BatchResult, cpu_s: float) -> dict[str, float]:
@@ -67,8 +68,9 @@ def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens
           kv_dtypes: tuple[str, ...] = ("model",)) -> dict:
     """{B: {side: rates}} medians over reps (each rep: every side, every B, interleaved). Sides: "ar" and
     "vanilla" per KV dtype of the batched engines (target's and draft's): "model" (the engine's default) is
-    named plainly, another (e.g. "bfloat16": the engine before it chose float32 on CPUs without AMX) as
-    "ar@bfloat16"."""
+    named plainly, another (e.g. "bfloat16": the engine before it chose float32 on CPUs without AMX;
+    ``FLOAT32_CACHE``: the default attention over a float32 cache, the engine before the mixed-precision
+    kernel) as "ar@bfloat16"."""
     opts = DecodeOptions(max_new_tokens=new_tokens)  # no EOS: every row decodes new_tokens tokens
     room = max(x.numel() for x in prompts) + new_tokens + 16
     tree = Tree.chain(int(cfg.tree.gamma))
@@ -76,13 +78,14 @@ def bench(models, cfg, prompts: list[torch.Tensor], sizes: list[int], new_tokens
     engines: dict[tuple[int, str], BatchEngine] = {}
     sides: dict[int, dict[str, tuple]] = {b: {} for b in sizes}
     for kv in kv_dtypes:
-        BatchEngine.default_attn_dtype = None if kv == "model" else getattr(torch, kv)
+        BatchEngine.default_attn_dtype = None if kv in ("model", FLOAT32_CACHE) else getattr(torch, kv)
+        BatchEngine.mixed_cache = kv != FLOAT32_CACHE
         tag = "" if kv == "model" else f"@{kv}"
         for b in sizes:
             engines[b, kv] = BatchEngine(models.target, b, capacity=room)
             sides[b] |= {f"ar{tag}": (engines[b, kv], batched(Autoregressive(), b)),
                          f"vanilla{tag}": (engines[b, kv], batched(draft, b))}
-    BatchEngine.default_attn_dtype = None
+    BatchEngine.default_attn_dtype, BatchEngine.mixed_cache = None, True
     runs: dict[int, dict[str, list[dict]]] = {b: {name: [] for name in sides[b]} for b in sizes}
     one = DecodeOptions(max_new_tokens=1)  # the prefill and one step: its CPU time is taken off the decode's
     for rep in range(reps + 1):  # the first is the warm-up
@@ -143,8 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kv-dtypes", default="model",
                     help="comma list: the batched engines' KV/attention dtype per compared variant: model "
-                    "(the engine's default: float32 on a CPU without AMX, else the model's) and e.g. "
-                    "bfloat16 (the engine before that rule), interleaved in one process")
+                    "(the engine's default: float32 attention on a CPU without AMX, over a bf16 cache with "
+                    "the mixed-precision kernel, else the model's), e.g. bfloat16 (the engine before that "
+                    f"rule) and {FLOAT32_CACHE} (float32 attention over a float32 cache: the engine before "
+                    "the kernel), interleaved in one process")
     ap.add_argument("--prefill-tokens", default="",
                     help="comma list of BatchEngine.prefill_tokens budgets: also time one batched prefill "
                     "of B prompts with each (interleaved; e.g. 512,100000 = grouped rows vs one forward)")
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                 new, old = res[b][side], res[b][f"{side}@{kv}"]
                 line += (f" | {side} {old['decode_tok_s']:>6.0f} -> {new['decode_tok_s']:>6.0f} tok/s "
                          f"({new['decode_tok_s'] / old['decode_tok_s']:.2f}x, "
+                         f"with prefill {new['total_tok_s'] / old['total_tok_s']:.2f}x, "
                          f"cpu {new['cpu_tok_s'] / old['cpu_tok_s']:.2f}x)")
             print(line)
     summary = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),

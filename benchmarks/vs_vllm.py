@@ -80,6 +80,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "method=eagle3 preset's, whatever head it resolves to). vLLM taps layers before the "
                     "final norm, so a head on the top layer cannot be exported exactly (the run warns); "
                     "e.g. 0 2 4 with --eagle train trains an exact one")
+    ap.add_argument("--float32-cache", action="store_true",
+                    help="batch > 1: also specsim's batched autoregressive over a float32 KV cache (the "
+                    "engine before methods.core.mixed_attention's bf16 cache), interleaved with the others")
     add_race_arguments(ap)
     return ap.parse_args(argv)
 
@@ -234,18 +237,23 @@ def batch_paths(ctx: Context, args, batch: int) -> dict:
     from specsim.tree import Tree
 
     engine = BatchEngine(ctx.models.target, batch)
-    sides = {"specsim batched autoregressive": batched(Autoregressive(), batch)}
+    sides = {"specsim batched autoregressive": (engine, batched(Autoregressive(), batch))}
     if ctx.models.draft is not None:
         method = method_config(ctx, ("method=vanilla", "tree=chain"), {})
         vanilla = build_drafter(method, Tree.chain(args.gamma), ctx.models, ctx.opts.sampling)
-        sides["specsim batched vanilla"] = batched(vanilla, batch)
+        sides["specsim batched vanilla"] = (engine, batched(vanilla, batch))
+    if args.float32_cache:
+        BatchEngine.mixed_cache = False
+        sides["specsim batched autoregressive float32-cache"] = (BatchEngine(ctx.models.target, batch),
+                                                                 batched(Autoregressive(), batch))
+        BatchEngine.mixed_cache = True
 
-    def runner(side):
+    def runner(engine, side):
         def run(chunk: list[list[int]]) -> tuple[list[list[int]], int]:
             r = decode_batch(engine, side, [torch.tensor(ids) for ids in chunk], ctx.opts, torch.Generator())
             return [res.token_ids for res in r.results], r.row_steps
         return run
-    return {name: runner(side) for name, side in sides.items()}
+    return {name: runner(*side) for name, side in sides.items()}
 
 
 def runner(ctx: Context, overrides, tree, params):

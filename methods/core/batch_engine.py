@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from methods.core.engine import context_length
 from methods.core.fast_llama import FastLlama
 from methods.core.fast_llama import supports as supports_fast
+from methods.core.mixed_attention import available as mixed_available
 from specsim.tree import Tree
 
 
@@ -84,6 +85,24 @@ def attention_dtype(model: PreTrainedModel) -> torch.dtype | None:
     return torch.float32 if model.device.type == "cpu" and reduced and not amx else None
 
 
+def cache_dtype(model: PreTrainedModel, attn_dtype: torch.dtype, fast: bool, mixed: bool = True
+                ) -> torch.dtype:
+    """The KV cache's storage dtype under attention in ``attn_dtype``: the model's bf16 / fp16 where the
+    attention is float32 on CPU over the lean forward (``fast``) and the mixed-precision kernel is built
+    (methods.core.mixed_attention; ``mixed`` False: never); else ``attn_dtype``. Lossless: the lean forward
+    computes keys and values in the model's dtype (projections, RoPE), so the cache holds the float32
+    cache's values in half the bytes, and the kernel accumulates in float32 like the float32 SDPA. A B = 16
+    zoo decode step reads ~57 MB of float32 K/V at ~190 keys; the kernel over the bf16 cache took ~1.4-1.5
+    ms per step's 6 layers against the float32 SDPA's ~5.3 (AMD EPYC, one thread, load). Not bit-equal to
+    the one-sequence engine's SDPA: bf16 greedy rows equal their prompt decoded alone on 30 of 32 prompts
+    (float32 models keep the float32 cache and SDPA, exact)."""
+    reduced = model.dtype in (torch.bfloat16, torch.float16)
+    if mixed and fast and reduced and attn_dtype == torch.float32 and model.device.type == "cpu" \
+            and mixed_available():
+        return model.dtype
+    return attn_dtype
+
+
 # A prefill of many rows runs in groups of rows of at most this many padded tokens per forward: B = 16 rows of
 # 127 tokens (the zoo target, bf16, one thread) took ~7-9% less CPU time in groups of 4-8 rows than in one
 # forward of 2032 tokens, whose activations (the MLP's 2032 x 2048) and attention scores outgrow the caches
@@ -124,13 +143,17 @@ class BatchEngine:
       (ascending, root first), drop the rest; ``commit_counts(counts)``: the first counts[b] pending nodes
       of each row (chains).
 
-    ``attn_dtype``: the KV cache's and the attention's dtype (None: ``default_attn_dtype``, None =
-    ``attention_dtype(model)``, None = the model's). At B rows a decode forward reads B caches, which
+    ``attn_dtype``: the attention's dtype (None: ``default_attn_dtype``, None = ``attention_dtype(model)``,
+    None = the model's) and the KV cache's, except where ``cache_dtype`` stores it in the model's reduced
+    dtype under float32 attention (``mixed_cache``). At B rows a decode forward reads B caches, which
     outweigh the weights past a few rows (zoo target, B = 16, 256 cached tokens: 38 MB of bf16 KV against
-    24 MB of weights per forward): a bf16 cache halves the bytes (1.2-1.4x at B = 16 on an AMX CPU), but
-    where bf16 attention is slow (``attention_dtype``) the cache is float32, as the one-sequence engine's."""
+    24 MB of weights per forward): a bf16 cache halves the bytes (1.2-1.4x at B = 16 on an AMX CPU); where
+    PyTorch's bf16 attention is slow (``attention_dtype``) the attention runs in float32, over the bf16
+    cache with the mixed-precision kernel where it is built, else over a float32 cache as the one-sequence
+    engine's."""
 
     default_attn_dtype: torch.dtype | None = None  # benchmarks set another dtype to compare engines
+    mixed_cache: bool = True  # a reduced-precision cache under float32 attention where it can (cache_dtype)
     prefill_tokens: int = PREFILL_TOKENS  # padded tokens per prefill forward (benchmarks compare others)
 
     def __init__(self, model: PreTrainedModel, max_rows: int, capacity: int | None = None, fast: bool = True,
@@ -147,14 +170,15 @@ class BatchEngine:
         heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.kv_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype
+        self.mask_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype  # the attention's
+        self.kv_dtype = cache_dtype(model, self.mask_dtype, self.fast is not None, self.mixed_cache)
         self.max_rows = max_rows
         self.capacity = min(capacity or self.context, self.context)
         shape = (self.n_layers, max_rows, self.n_kv, self.capacity, self.head_dim)
         self.k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.cache = Cache(layers=[_RowsLayer(self, i) for i in range(self.n_layers)])
-        self._neg = torch.finfo(self.kv_dtype).min
+        self._neg = torch.finfo(self.mask_dtype).min
         self._arange = self._indices(self.capacity)
         self._host_arange = self._arange.cpu().numpy()
         self._tree_memo: dict[Tree, tuple[np.ndarray, np.ndarray]] = {}
@@ -368,7 +392,7 @@ class BatchEngine:
         mask[:, :, lo:] = np.where(ar[lo:width][None] - lens[:, None] >= p, neg, np.float32(0))[:, None]
         cols = lens[:, None] + ar[:p]  # (b, p) the pending nodes' columns: their ancestor mask
         mask[ar[:b, None, None], ar[None, :n, None], cols[:, None, :]] = np.where(anc, np.float32(0), neg)
-        return torch.from_numpy(mask[:, None]).to(self.device, self.kv_dtype)
+        return torch.from_numpy(mask[:, None]).to(self.device, self.mask_dtype)
 
     # ---- commit ----------------------------------------------------------------------------------------
     @torch.inference_mode()

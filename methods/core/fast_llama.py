@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from methods.core.mixed_attention import mixed_attention
+
 
 def supports(model: PreTrainedModel) -> bool:
     """Plain Llama layout only (no biases, SiLU MLP, one tensor-parallel slice)."""
@@ -326,9 +328,15 @@ ATTN_BLOCK = 32  # query rows per block
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
               scale: float, gqa: bool) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (rows, Hq, m, D), keys/values (rows, Hkv, W, D), mask (rows, 1,
-    m, W) additive or None (attend to everything). The mask's contract (every engine's): new node i (0-based
-    among the m) attends to no key column past W - m + i — its own slot, nodes are appended in an order where
-    parents precede children — so the blocked path skips columns that are masked anyway."""
+    m, W) additive or None (attend to everything). Keys/values in a reduced dtype under float32 queries (the
+    batched engine's bf16 cache, ``batch_engine.cache_dtype``): methods.core.mixed_attention for short
+    forwards, upcast for long ones. The mask's contract (every engine's): new node i (0-based among the m)
+    attends to no key column past W - m + i — its own slot, nodes are appended in an order where parents
+    precede children — so the blocked path skips columns that are masked anyway."""
+    if keys.dtype != q.dtype:  # a reduced-precision cache under float32 attention (batch_engine.cache_dtype)
+        if q.shape[2] < BLOCKED_MIN_ROWS:
+            return mixed_attention(q, keys, values, mask, scale)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a prefill: once per forward, then as below
     if mask is None or q.shape[2] < BLOCKED_MIN_ROWS or q.device.type != "cpu" or q.dtype != torch.float32:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return blocked_attention(q, keys, values, mask, scale)

@@ -349,9 +349,10 @@ def fit_loop(loop: dict[Any, float]) -> tuple[float, float]:
     return float(icpt), float(slope)
 
 
-# BatchEngine's forward: 3 = KV and attention in batch_engine.attention_dtype (float32 on CPUs without AMX,
-# else the model's); 2 = in the model's dtype
-ENGINE_VERSION = 3
+# BatchEngine's forward: 4 = attention in batch_engine.attention_dtype over a cache in cache_dtype (a bf16
+# model on a CPU without AMX: float32 attention over a bf16 cache, methods.core.mixed_attention); 3 = KV and
+# attention in attention_dtype (float32 on CPUs without AMX, else the model's); 2 = in the model's dtype
+ENGINE_VERSION = 4
 # whose step was timed: the target p, the draft model q (vanilla), or a head drafter's (MTP, EAGLE) step
 ROLES = ("target", "draft", "head")
 

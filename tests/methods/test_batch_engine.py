@@ -144,11 +144,13 @@ def test_capacity_and_context_errors(tiny_target):
         eng.add()
 
 
-def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target):
-    """A bf16 model's batched KV cache and attention in bf16 (half the bytes a decode forward reads per row)
-    or in float32 (the default where bf16 attention is slow, as the one-sequence engine's): both agree with
-    each row decoded alone in float32 attention (the one-sequence engine) to bf16 rounding, rows and ragged
-    prompts included."""
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-cache", "float32-cache"])
+def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target, monkeypatch, mixed):
+    """A bf16 model's batched attention in bf16 (bf16 cache: half the bytes a decode forward reads per row)
+    or in float32 (the default where bf16 attention is slow, as the one-sequence engine's), over a bf16
+    cache (the mixed-precision kernel) or a float32 one: each agrees with each row decoded alone in float32
+    attention (the one-sequence engine) to bf16 rounding, rows and ragged prompts included."""
+    monkeypatch.setattr(BatchEngine, "mixed_cache", mixed)
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)  # the session's fixture stays float32
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g) for n in (7, 3, 11)]
@@ -158,7 +160,8 @@ def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target):
     outs = {}
     for dtype in (torch.bfloat16, torch.float32):
         eng = BatchEngine(model, max_rows=3, capacity=8, attn_dtype=dtype)  # grows past 8
-        assert eng.k.dtype == dtype
+        assert eng.fast.attn_dtype == dtype
+        assert eng.k.dtype == (torch.bfloat16 if mixed else dtype)
         eng.add(3)
         eng.prefill([p[:-1] for p in prompts])
         outs[dtype] = eng.forward_trees(tokens, [tree]).logits
@@ -168,19 +171,62 @@ def test_bf16_rows_agree_with_rows_alone_in_either_kv_dtype(tiny_target):
             torch.testing.assert_close(got[b], want.float(), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_default_kv_dtype_is_float32_for_reduced_precision_on_cpus_without_amx(tiny_target, monkeypatch, amx):
-    """Without AMX PyTorch's bf16 SDPA is several times slower than float32 at one query per row (a decode
-    step): the default cache is float32 there; with AMX it is the model's dtype; a float32 model stays float32
-    and an explicit attn_dtype wins."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+def test_mixed_cache_holds_the_float32_caches_values_and_gives_its_logits(tiny_target, monkeypatch):
+    """The bf16 cache under float32 attention (cache_dtype) is lossless: the lean forward computes a bf16
+    model's keys and values in bf16, so the cache holds exactly what the float32 cache holds (layer 0, whose
+    input is the same embedding in both), and a prefill plus tree steps give the float32 cache's logits up to
+    the attention's summation order (bf16 rounding of its output)."""
     model = copy.deepcopy(tiny_target).to(torch.bfloat16)
-    want = torch.bfloat16 if amx else torch.float32
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (9, 4, 13, 1)]
+    engines = {}
+    for mixed in (True, False):
+        monkeypatch.setattr(BatchEngine, "mixed_cache", mixed)
+        engines[mixed] = BatchEngine(model, max_rows=4, capacity=8)
+        engines[mixed].add(4)
+    assert engines[True].k.dtype == torch.bfloat16 and engines[False].k.dtype == torch.float32
+    outs = {mixed: [eng.prefill([p[:-1] for p in prompts]).logits] for mixed, eng in engines.items()}
+    roots = torch.stack([p[-1] for p in prompts])
+    for step in range(3):
+        tree = TREES[step]
+        tokens = torch.randint(0, 300, (4, tree.size), generator=g)
+        tokens[:, 0] = roots
+        path = tree.path_to(tree.size - 1)
+        for mixed, eng in engines.items():
+            outs[mixed].append(eng.forward_trees(tokens, [tree]).logits)
+            eng.commit([path] * 4)
+        roots = tokens[:, path[-1]]
+    lens = engines[True].lengths
+    assert lens == engines[False].lengths
+    for b, n in enumerate(lens):
+        for name in ("k", "v"):
+            mixed, full = (getattr(engines[m], name)[0, b, :, :n] for m in (True, False))
+            assert torch.equal(mixed.float(), full)
+    for got, want in zip(outs[True], outs[False]):
+        good = torch.ones(got.shape[0], dtype=torch.bool) if got.shape[1] > 1 else torch.tensor(
+            [p.numel() > 1 for p in prompts])  # a 1-token prompt's prefill logits are garbage
+        torch.testing.assert_close(got[good], want[good], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-cache", "float32-cache"])
+def test_default_kv_dtype_is_float32_for_reduced_precision_on_cpus_without_amx(tiny_target, monkeypatch, amx,
+                                                                                mixed):
+    """Without AMX PyTorch's bf16 SDPA is several times slower than float32 at one query per row (a decode
+    step): the default attention is float32 there, over a bf16 cache with the mixed-precision kernel
+    (``mixed_cache``, cache_dtype), else over a float32 cache; with AMX both are the model's dtype; a float32
+    model stays float32 and an explicit attn_dtype wins."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(BatchEngine, "mixed_cache", mixed)
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
     assert attention_dtype(model) == (None if amx else torch.float32)
-    assert BatchEngine(model, max_rows=2, capacity=8).k.dtype == want
+    eng = BatchEngine(model, max_rows=2, capacity=8)
+    assert eng.fast.attn_dtype == (torch.bfloat16 if amx else torch.float32)
+    assert eng.k.dtype == (torch.bfloat16 if amx or mixed else torch.float32)
     assert BatchEngine(model, max_rows=2, capacity=8, attn_dtype=torch.bfloat16).k.dtype == torch.bfloat16
     assert attention_dtype(tiny_target) is None
     assert BatchEngine(tiny_target, max_rows=2, capacity=8).k.dtype == torch.float32
+    assert BatchEngine(model, max_rows=2, capacity=8, fast=False).k.dtype == torch.bfloat16  # HF's forward
 
 
 def test_extend_with_last_gives_those_nodes_logits_and_the_same_cache(tiny_target):
