@@ -264,6 +264,8 @@ def _build():
         try:
             from torch.utils.cpp_extension import load_inline
 
+            _ninja_on_path()
+
             # the name carries the source, flags, torch and CPU: a build for another machine or source is
             # never loaded from torch's shared extension cache
             tag = "|".join([_SOURCE, *_FLAGS, torch.__version__, torch.backends.cpu.get_cpu_capability(),
@@ -275,6 +277,18 @@ def _build():
             _failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("mixed-precision attention kernel not built (%s); float32 KV caches instead", _failed)
         return _module
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the project's ninja (a dependency) lives in the
+    environment's scripts folder, which is not on PATH when the venv's Python is run without activating it."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja, if any, is found as it is
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
 def _cpu_model() -> str:
