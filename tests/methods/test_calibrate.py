@@ -789,3 +789,32 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     # ... with the loop's overhead beside the union's forward, whatever the merged drafts' sizes were
     assert prof.extra["loop_verify_forward_tokens"] == prof.extra["loop_tree_size"] == 1 + 3 * 3
     assert "predicted_mean_verify_tokens" not in here
+
+
+def test_specinfer_draft_is_priced_on_each_members_tree(run_config):
+    """Every draft model of SpecInfer fills the member tree on its own cache: a level of the merged tree feeds
+    each model the member's nodes, not the union's K times as many. The profile's level is the loop's (all K
+    models, one level of the union of K chains), so the loop's own tree is priced at the loop's draft
+    (levels × the loop's level) and a wider member tree by the member's widths; priced on the union's
+    widths, the quiet sweep's 61-node merged tree read its draft 6-28% high. τ and the verify term (the
+    union's forward) are the replay's and the union's, unchanged."""
+    from methods.measurement.profiles import draft_levels
+    from specsim.multidraft import union_tree
+
+    cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=3")
+    ranks = [[[0, 0, 1], [0, -1, 0], [1, 0, 0], [0, 0, 0]]]  # one prompt, 4 positions, 3 drafts
+    prof = dataclasses.replace(_profile(), drafter="specinfer")
+    prof.extra.update(multi_draft={"members": 3, "ranks": ranks}, loop_tree_depth=3, loop_tree_size=10,
+                      draft_level_ratios={"1": 0.1, "2": 0.15, "4": 0.25, "8": 0.45})  # a level grows with w
+    loop = union_tree(Tree.chain(3), 3)
+    here = tree_predictions(cfg, prof, loop)[0]
+    assert here["t_draft_s"] == pytest.approx(3 * prof.draft_time_s)  # the loop's own draft per step
+    assert here["t_step_s"] == pytest.approx(here["t_draft_s"] + here["t_verify_s"])
+    tau, ar, step = here["predicted_tau"], here["t_ar_s"], here["t_step_s"]
+    assert here["predicted_speedup"] == pytest.approx(tau * ar / step)
+    member = Tree.from_paths([[0, 0], [0, 1], [1, 0], [1, 1]])  # fed widths 1, 2
+    wide = tree_predictions(cfg, prof, union_tree(member, 3))[0]
+    levels = draft_levels(cfg, prof)
+    assert wide["t_draft_s"] == pytest.approx(levels.time(1) + levels.time(2))  # not (1, 6): the union's
+    assert wide["t_draft_s"] < levels.time(1) + levels.time(6)
+    assert wide["tree_size"] == 1 + 3 * 6  # the verify forward: the merged budget
