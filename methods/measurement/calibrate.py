@@ -196,18 +196,28 @@ def loop_forward_tokens(cfg: RunConfig, run: _Run, sizes: Mapping[int, int] | No
 
 class SizeRecorder:
     """A drafter that counts the size of every draft it proposes (the loop's verify forward: root
-    included) away from the generation's end — a draft cut at max_new_tokens is the truncation's, priced
-    apart (specsim.expected). Everything else is the wrapped drafter's."""
+    included) and its nodes per depth, away from the generation's end — a draft cut at max_new_tokens is
+    the truncation's, priced apart (specsim.expected). Everything else is the wrapped drafter's."""
 
     def __init__(self, drafter: Any, depth: int) -> None:
         self._drafter, self._depth = drafter, depth
         self.sizes: dict[int, int] = {}
+        self._levels = np.zeros(depth + 1)  # nodes per depth (root first), summed over the counted drafts
 
     def propose(self, ctx: DraftContext) -> Draft:
         draft = self._drafter.propose(ctx)
         if ctx.max_new > self._depth:
             self.sizes[draft.tree.size] = self.sizes.get(draft.tree.size, 0) + 1
+            levels = draft.tree.level_sizes()[: self._depth + 1]
+            self._levels[: levels.size] += levels
         return draft
+
+    @property
+    def level_means(self) -> list[float]:
+        """Mean nodes per depth (root first) of the counted drafts: SpecInfer's merged trees share their
+        members' common prefixes, a share that depends on the depth (profiles.merged_size)."""
+        steps = sum(self.sizes.values())
+        return (self._levels / steps).tolist() if steps else []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._drafter, name)
@@ -418,11 +428,12 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
 
 
 def _depth_run(run: _Run, n_prompts: int, new_tokens: int
-               ) -> tuple[AcceptStats, list[list[int]], dict[int, int]]:
+               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
     acceptance stats (α_d, by rank), each prompt's histogram of accepted drafts per step (the spread of
     acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), and how many of its drafts
-    had each size (SizeRecorder: the law of the verify forward, where drafts can fall short of the tree)."""
+    had each size and their nodes per depth (SizeRecorder: the law of the verify forward, where drafts can
+    fall short of the tree or, SpecInfer's, merge)."""
     stats, per_prompt = AcceptStats(), []
     drafter = SizeRecorder(run.drafter, run.tree.depth)
     for ids in run.prompts[:n_prompts]:
@@ -430,7 +441,7 @@ def _depth_run(run: _Run, n_prompts: int, new_tokens: int
         stats.merge(one)
         per_prompt.append(list(one.hist))
         run.bar.update()
-    return stats, per_prompt, dict(sorted(drafter.sizes.items()))
+    return stats, per_prompt, drafter
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -820,6 +831,7 @@ class _Measured:
     prompt_hists: list[list[int]] = field(default_factory=list)  # per prompt: steps accepting k drafts
     replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
+    levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -849,19 +861,21 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats, prompt_hists, drafted = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists, recorder = _depth_run(run, n_prompts, new_tokens)
+    drafted = dict(sorted(recorder.sizes.items()))
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    # the loop's verify forward: t(n) for its overhead (SpecInfer's merged drafts are priced on the union's
-    # budget, profiles.tree_predictions: its overhead beside the union's forward, as before)
-    forward = loop_forward_tokens(cfg, run, drafted if replay is None else None)
+    # the loop's verify forward: t(n) for its overhead, at the drafts' mean size where they fell short of the
+    # tree — SpecInfer's merged drafts too: its members' shared prefixes are verified once (at T = 0 the
+    # zoo's union of 3 chains of 4 verified 5-9 of its 13 nodes; beside t(13) its overhead read 0)
+    forward = loop_forward_tokens(cfg, run, drafted)
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay, drafted)
+                          replay, drafted, recorder.level_means)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -879,6 +893,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # drafts of each size (root included) the loop proposed, away from the generation's end: the law of
         # the verify forward where drafts fall short of the tree (profiles.verify_size_law)
         "loop_verify_sizes": {str(n): c for n, c in m.sizes.items()},
+        "loop_verify_level_sizes": m.levels,  # their mean nodes per depth, root first (profiles.merged_size)
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
         # the loop's verification from the logits, per draft size / t(1) ("0": the loop's own tree): the
@@ -1072,4 +1087,6 @@ def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
         return "no timed shared-cache verify"
     if drafter == "specinfer" and "multi_draft" not in extra:
         return "no multi-draft replay"
+    if drafter == "specinfer" and "loop_verify_level_sizes" not in extra:
+        return "no merged draft sizes per depth (overhead taken beside the union's forward)"
     return ""
