@@ -345,20 +345,31 @@ def _by_depth(proposed: list[tuple[int, int, Star]], depths: int
         yield torch.tensor([pos for pos, _ in at], dtype=torch.long), [star for _, star in at]
 
 
+PROPOSAL_STARS = "sampled drafts: depth 1"  # _proposed's rule for drafts sampled from q (a profile mark)
+
+
 def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None, max_depth: int
               ) -> list[tuple[int, int, Star]]:
     """Drafters without a law here (stateless ones such as prompt lookup; verification feedback is not
     given): their own proposal at each position, followed along the trajectory. Returns (depth, parent
     position, star): the root's children at depth 1, and at depth d the children of the depth-(d-1) node
     that equals the trajectory's token — the prefix a verification accepted — down to ``max_depth``. A node
-    without children there is an empty star (the step ends: counted as none accepted)."""
+    without children there is an empty star (the step ends: counted as none accepted).
+
+    Drafts sampled from q (``Draft.q`` given: Online SD's draft model at T > 0) give depth-1 stars only. A
+    sampled child equal to the trajectory's token (itself a draw from p) is a coincidence of two draws, not
+    the rejection verifier's acceptance (min(1, p/q)): the stars below it are conditioned on positions where
+    p and q are both peaked, and few (Online's prose T = 1 profile read 0.59, 0.63, 1.0 at depths 1-3 and
+    predicted τ +19% over the test run; the depth-1 vector i.i.d. predicts 2.25 against 2.26 measured). Such
+    a drafter's q at a later position is its depth-1 law there (a draft model reads the accepted prefix)."""
     run.drafter.reset(seq[:n_prompt])
     width, last, out = run.cfg.calibration.width, seq.numel() - 1, []
     for t in range(n_prompt - 1, last):
         h = hidden[t - 1 : t] if hidden is not None and t >= 1 else None
         draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, last - t))
         tree, node, depth = draft.tree, 0, 1
-        while depth <= max_depth and t + depth - 1 < last:
+        deepest = 1 if draft.q is not None else max_depth
+        while depth <= deepest and t + depth - 1 < last:
             kids = sorted(tree.children[node], key=lambda c: tree.ranks[c])[:width]
             q = None if draft.q is None else draft.q[node]
             out.append((depth, t + depth - 1, Star(draft.tokens[list(kids)], q)))
@@ -894,6 +905,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the verify forward where drafts fall short of the tree (profiles.verify_size_law)
         "loop_verify_sizes": {str(n): c for n, c in m.sizes.items()},
         "loop_verify_level_sizes": m.levels,  # their mean nodes per depth, root first (profiles.merged_size)
+        "proposal_stars": PROPOSAL_STARS,  # how _proposed follows a drafter's own proposals
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
         # the loop's verification from the logits, per draft size / t(1) ("0": the loop's own tree): the
@@ -1085,6 +1097,9 @@ def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
         return "verification overhead taken beside the longest draft's forward, not the drafted one's"
     if drafter == "layerskip" and "shared_verify" not in extra:
         return "no timed shared-cache verify"
+    if (drafter not in LAWS and drafter not in LOOP_DRAFTERS and cfg.workload.temperature > 0
+            and extra.get("proposal_stars") != PROPOSAL_STARS):
+        return "sampled proposals' stars followed below depth 1 (an older calibration)"
     if drafter == "specinfer" and "multi_draft" not in extra:
         return "no multi-draft replay"
     if drafter == "specinfer" and "loop_verify_level_sizes" not in extra:

@@ -882,3 +882,54 @@ def test_specinfer_profile_without_merged_counts_is_measured_again(run_config):
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
                                            if k != "loop_verify_level_sizes"})
     assert "merged draft sizes" in remeasure_reason(old, cfg)  # an older calibration: measured again
+
+
+class _Copier:
+    """A proposal drafter whose chain of 3 copies the trajectory (the tokens after the context), sampled from
+    a law q (``sampled``) or deterministic."""
+
+    def __init__(self, seq: torch.Tensor, sampled: bool) -> None:
+        self.seq, self.sampled = seq, sampled
+
+    def reset(self, prompt) -> None:
+        pass
+
+    def propose(self, ctx):
+        from methods.core.drafter import Draft
+
+        t = ctx.tokens.numel()
+        tokens = torch.cat([ctx.tokens[-1:], self.seq[t : t + 3]])
+        n = tokens.numel()
+        q = torch.full((n, 8), 1 / 8) if self.sampled else None
+        return Draft(Tree.chain(n - 1), tokens, q)
+
+
+def test_sampled_proposals_give_depth_one_stars_only():
+    """A drafter's own proposals are followed down the trajectory where its child equals the trajectory's
+    token: the prefix a deterministic verification accepted (prompt lookup's copied spans). A child sampled
+    from q equal to the trajectory's sampled token is a coincidence of two draws, not the rejection
+    verifier's acceptance: its stars stop at depth 1 (Online's T = 1 profile read deeper acceptance 0.63-1.0
+    from few such stars and predicted τ +19%)."""
+    from methods.measurement.calibrate import _proposed
+
+    seq = torch.arange(12) % 8
+    run = SimpleNamespace(cfg=SimpleNamespace(calibration=SimpleNamespace(width=4)), generator=None)
+    for sampled, depths in ((False, {1, 2, 3}), (True, {1})):
+        run.drafter = _Copier(seq, sampled)
+        out = _proposed(run, seq, 4, None, max_depth=3)
+        assert {d for d, _, _ in out} == depths
+        assert sum(d == 1 for d, _, _ in out) == seq.numel() - 4  # one depth-1 star per generated position
+
+
+def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config):
+    from methods.measurement.calibrate import PROPOSAL_STARS
+
+    budgets = "tree.budgets=[1,2,4,8]"
+    cfg = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
+    prof = dataclasses.replace(_profile(), drafter="online")
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
+                      proposal_stars=PROPOSAL_STARS)
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
+    assert "sampled proposals" in remeasure_reason(old, cfg)
+    assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before
