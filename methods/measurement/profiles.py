@@ -547,10 +547,10 @@ def merged_size(profile: Profile, member: Tree, k: int) -> float | None:
     nodes are kept in the share the calibration's loop kept at depth d: its merged drafts' mean nodes per
     depth L_d over the union of k chains' k (``loop_verify_level_sizes``). Below the loop's depth D the
     drafts still together, g_d = (k − L_d) / (k − 1), part at the loop's last rate g_D / g_(D−1) per depth
-    (drafts that parted stay apart). On the zoo (code, T = 0, 4 prompts) the loop's chains kept 0.40, 0.47,
-    0.55, 0.63, 0.71 of the union's nodes at depths 1-5 and the 61-node tree 0.38, 0.49, 0.53, 0.60, 0.68,
-    0.70, 0.76, 0.80 at depths 1-8 (40.3 nodes verified of 61). None without the per-depth counts (an older
-    calibration) or where the loop's tree was not the union of k chains."""
+    (drafts that parted stay apart). On the zoo (code, T = 0, 4 test prompts, counted in the loop) 3 chains
+    of 5 drafts kept 0.40, 0.47, 0.55, 0.63, 0.71 of the union's nodes at depths 1-5 and the 61-node tree
+    0.38, 0.49, 0.53, 0.60, 0.68, 0.70, 0.76, 0.80 at depths 1-8 (40.3 nodes verified of 61). None without
+    the per-depth counts (an older calibration) or where the loop's tree was not the union of k chains."""
     levels, extra = profile.extra.get("loop_verify_level_sizes"), profile.extra
     depth, size = int(extra.get("loop_tree_depth") or 0), int(extra.get("loop_tree_size") or 0)
     if not levels or len(levels) < 2 or depth < 1 or size != 1 + k * depth or k < 2:
