@@ -196,18 +196,28 @@ def loop_forward_tokens(cfg: RunConfig, run: _Run, sizes: Mapping[int, int] | No
 
 class SizeRecorder:
     """A drafter that counts the size of every draft it proposes (the loop's verify forward: root
-    included) away from the generation's end — a draft cut at max_new_tokens is the truncation's, priced
-    apart (specsim.expected). Everything else is the wrapped drafter's."""
+    included) and its nodes per depth, away from the generation's end — a draft cut at max_new_tokens is
+    the truncation's, priced apart (specsim.expected). Everything else is the wrapped drafter's."""
 
     def __init__(self, drafter: Any, depth: int) -> None:
         self._drafter, self._depth = drafter, depth
         self.sizes: dict[int, int] = {}
+        self._levels = np.zeros(depth + 1)  # nodes per depth (root first), summed over the counted drafts
 
     def propose(self, ctx: DraftContext) -> Draft:
         draft = self._drafter.propose(ctx)
         if ctx.max_new > self._depth:
             self.sizes[draft.tree.size] = self.sizes.get(draft.tree.size, 0) + 1
+            levels = draft.tree.level_sizes()[: self._depth + 1]
+            self._levels[: levels.size] += levels
         return draft
+
+    @property
+    def level_means(self) -> list[float]:
+        """Mean nodes per depth (root first) of the counted drafts: SpecInfer's merged trees share their
+        members' common prefixes, a share that depends on the depth (profiles.merged_size)."""
+        steps = sum(self.sizes.values())
+        return (self._levels / steps).tolist() if steps else []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._drafter, name)
@@ -335,20 +345,31 @@ def _by_depth(proposed: list[tuple[int, int, Star]], depths: int
         yield torch.tensor([pos for pos, _ in at], dtype=torch.long), [star for _, star in at]
 
 
+PROPOSAL_STARS = "sampled drafts: depth 1"  # _proposed's rule for drafts sampled from q (a profile mark)
+
+
 def _proposed(run: _Run, seq: torch.Tensor, n_prompt: int, hidden: torch.Tensor | None, max_depth: int
               ) -> list[tuple[int, int, Star]]:
     """Drafters without a law here (stateless ones such as prompt lookup; verification feedback is not
     given): their own proposal at each position, followed along the trajectory. Returns (depth, parent
     position, star): the root's children at depth 1, and at depth d the children of the depth-(d-1) node
     that equals the trajectory's token — the prefix a verification accepted — down to ``max_depth``. A node
-    without children there is an empty star (the step ends: counted as none accepted)."""
+    without children there is an empty star (the step ends: counted as none accepted).
+
+    Drafts sampled from q (``Draft.q`` given: Online SD's draft model at T > 0) give depth-1 stars only. A
+    sampled child equal to the trajectory's token (itself a draw from p) is a coincidence of two draws, not
+    the rejection verifier's acceptance (min(1, p/q)): the stars below it are conditioned on positions where
+    p and q are both peaked, and few (Online's prose T = 1 profile read 0.59, 0.63, 1.0 at depths 1-3 and
+    predicted τ +19% over the test run; the depth-1 vector i.i.d. predicts 2.25 against 2.26 measured). Such
+    a drafter's q at a later position is its depth-1 law there (a draft model reads the accepted prefix)."""
     run.drafter.reset(seq[:n_prompt])
     width, last, out = run.cfg.calibration.width, seq.numel() - 1, []
     for t in range(n_prompt - 1, last):
         h = hidden[t - 1 : t] if hidden is not None and t >= 1 else None
         draft = run.drafter.propose(DraftContext(seq[: t + 1], h, run.generator, last - t))
         tree, node, depth = draft.tree, 0, 1
-        while depth <= max_depth and t + depth - 1 < last:
+        deepest = 1 if draft.q is not None else max_depth
+        while depth <= deepest and t + depth - 1 < last:
             kids = sorted(tree.children[node], key=lambda c: tree.ranks[c])[:width]
             q = None if draft.q is None else draft.q[node]
             out.append((depth, t + depth - 1, Star(draft.tokens[list(kids)], q)))
@@ -418,11 +439,12 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
 
 
 def _depth_run(run: _Run, n_prompts: int, new_tokens: int
-               ) -> tuple[AcceptStats, list[list[int]], dict[int, int]]:
+               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
     acceptance stats (α_d, by rank), each prompt's histogram of accepted drafts per step (the spread of
     acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), and how many of its drafts
-    had each size (SizeRecorder: the law of the verify forward, where drafts can fall short of the tree)."""
+    had each size and their nodes per depth (SizeRecorder: the law of the verify forward, where drafts can
+    fall short of the tree or, SpecInfer's, merge)."""
     stats, per_prompt = AcceptStats(), []
     drafter = SizeRecorder(run.drafter, run.tree.depth)
     for ids in run.prompts[:n_prompts]:
@@ -430,7 +452,7 @@ def _depth_run(run: _Run, n_prompts: int, new_tokens: int
         stats.merge(one)
         per_prompt.append(list(one.hist))
         run.bar.update()
-    return stats, per_prompt, dict(sorted(drafter.sizes.items()))
+    return stats, per_prompt, drafter
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -820,6 +842,7 @@ class _Measured:
     prompt_hists: list[list[int]] = field(default_factory=list)  # per prompt: steps accepting k drafts
     replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
+    levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
@@ -849,19 +872,21 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats, prompt_hists, drafted = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists, recorder = _depth_run(run, n_prompts, new_tokens)
+    drafted = dict(sorted(recorder.sizes.items()))
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
     ctx = min(cal.context_tokens or cfg.workload.context_tokens, context_length(models.target) - 2)
     context = torch.cat(seqs).repeat(ctx // sum(s.numel() for s in seqs) + 1)[:ctx]  # real tokens
-    # the loop's verify forward: t(n) for its overhead (SpecInfer's merged drafts are priced on the union's
-    # budget, profiles.tree_predictions: its overhead beside the union's forward, as before)
-    forward = loop_forward_tokens(cfg, run, drafted if replay is None else None)
+    # the loop's verify forward: t(n) for its overhead, at the drafts' mean size where they fell short of the
+    # tree — SpecInfer's merged drafts too: its members' shared prefixes are verified once (at T = 0 the
+    # zoo's union of 3 chains of 4 verified 5-9 of its 13 nodes; beside t(13) its overhead read 0)
+    forward = loop_forward_tokens(cfg, run, drafted)
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     table, attempts = _timed_table(run, context, sizes)
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay, drafted)
+                          replay, drafted, recorder.level_means)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -879,6 +904,8 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # drafts of each size (root included) the loop proposed, away from the generation's end: the law of
         # the verify forward where drafts fall short of the tree (profiles.verify_size_law)
         "loop_verify_sizes": {str(n): c for n, c in m.sizes.items()},
+        "loop_verify_level_sizes": m.levels,  # their mean nodes per depth, root first (profiles.merged_size)
+        "proposal_stars": PROPOSAL_STARS,  # how _proposed follows a drafter's own proposals
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
         # the loop's verification from the logits, per draft size / t(1) ("0": the loop's own tree): the
@@ -1070,6 +1097,11 @@ def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
         return "verification overhead taken beside the longest draft's forward, not the drafted one's"
     if drafter == "layerskip" and "shared_verify" not in extra:
         return "no timed shared-cache verify"
+    if (drafter not in LAWS and drafter not in LOOP_DRAFTERS and cfg.workload.temperature > 0
+            and extra.get("proposal_stars") != PROPOSAL_STARS):
+        return "sampled proposals' stars followed below depth 1 (an older calibration)"
     if drafter == "specinfer" and "multi_draft" not in extra:
         return "no multi-draft replay"
+    if drafter == "specinfer" and "loop_verify_level_sizes" not in extra:
+        return "no merged draft sizes per depth (overhead taken beside the union's forward)"
     return ""

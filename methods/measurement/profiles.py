@@ -26,7 +26,7 @@ import numpy as np
 from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
-from specsim.cost import CostModel, MeasuredCost
+from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import tokens_per_forward
 from specsim.io import atomic_write_json, read_json
 from specsim.multidraft import Replay, accepted_law, member_and_union
@@ -529,15 +529,54 @@ def _summary(p: Prediction) -> dict[str, Any]:
     return {k: getattr(p, k) for k in keys}
 
 
-def multi_draft_law(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[Tree, np.ndarray] | None:
-    """SpecInfer's merged tree of K drafts, calibrated: (the merged budget its step is priced at, the law of
-    τ from the replay of the calibration trajectories, specsim.multidraft). ``tree`` is the drafter's union
-    or the member tree. None for other drafters or without the replay."""
+def multi_draft_law(cfg: RunConfig, profile: Profile, tree: Tree) -> tuple[Tree, Tree, np.ndarray] | None:
+    """SpecInfer's merged tree of K drafts, calibrated: (the member tree each draft fills, the merged budget
+    its verify is priced at, the law of τ from the replay of the calibration trajectories,
+    specsim.multidraft). ``tree`` is the drafter's union or the member tree. None for other drafters or
+    without the replay."""
     doc = profile.extra.get("multi_draft")
     if not doc or cfg.method.drafter != "specinfer":
         return None
     member, union = member_and_union(tree, int(doc["members"]))
-    return union, accepted_law(Replay.from_json(doc), member, seed=cfg.seed)
+    return member, union, accepted_law(Replay.from_json(doc), member, seed=cfg.seed)
+
+
+def merged_size(profile: Profile, member: Tree, k: int) -> float | None:
+    """The expected size of SpecInfer's merged tree of k copies of ``member`` (root included): a depth-d
+    node of a member joins a sibling's where the drafts agree on its whole prefix, so the union's depth-d
+    nodes are kept in the share the calibration's loop kept at depth d: its merged drafts' mean nodes per
+    depth L_d over the union of k chains' k (``loop_verify_level_sizes``). Below the loop's depth D the
+    drafts still together, g_d = (k − L_d) / (k − 1), part at the loop's last rate g_D / g_(D−1) per depth
+    (drafts that parted stay apart). On the zoo (code, T = 0, 4 test prompts, counted in the loop) 3 chains
+    of 5 drafts kept 0.40, 0.47, 0.55, 0.63, 0.71 of the union's nodes at depths 1-5 and the 61-node tree
+    0.38, 0.49, 0.53, 0.60, 0.68, 0.70, 0.76, 0.80 at depths 1-8 (40.3 nodes verified of 61). None without
+    the per-depth counts (an older calibration) or where the loop's tree was not the union of k chains."""
+    levels, extra = profile.extra.get("loop_verify_level_sizes"), profile.extra
+    depth, size = int(extra.get("loop_tree_depth") or 0), int(extra.get("loop_tree_size") or 0)
+    if not levels or len(levels) < 2 or depth < 1 or size != 1 + k * depth or k < 2:
+        return None
+    together = [min(1.0, max(0.0, (k - float(x)) / (k - 1))) for x in levels[1:]]  # g_d, d = 1..D
+    rate = together[-1] / together[-2] if len(together) > 1 and together[-2] > 0 else 1.0
+    rate = min(1.0, max(0.0, rate))
+
+    def share(d: int) -> float:  # the union's depth-d nodes kept (d >= 1)
+        g = together[d - 1] if d <= len(together) else together[-1] * rate ** (d - len(together))
+        return (k - (k - 1) * g) / k
+
+    return 1.0 + sum(int(m) * k * share(d) for d, m in enumerate(member.level_sizes()) if d > 0)
+
+
+def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | None:
+    """SpecInfer's draft per step: every draft model fills the member tree on its own KV cache, so a level
+    feeds each model the member's nodes of that depth, not the union's K times as many. The profile's level
+    (``draft_levels``) is the loop's, all K models' forwards of one level of the union of K chains: priced on
+    the member tree's widths it is the loop's own draft on the loop's own tree. Priced on the union's widths
+    (K·w fed per level), the merged 61-node tree's draft read 6-28% above the measured one on the quiet
+    sweep (T = 0, and T = 1). None where the levels were not timed (the configured ratio per level stands)."""
+    levels = draft_levels(cfg, profile)
+    if levels is None or member.depth < 1:
+        return None
+    return float(DraftCost(model=levels, fed_width=True).time(member, profile.t_ar_s))
 
 
 def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:
@@ -623,7 +662,7 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     under the measured vectors, the step still priced on ``tree`` (same size and depth)."""
     multi = multi_draft_law(cfg, profile, tree)
     if multi is not None:
-        tree = multi[0]
+        tree = multi[1]
     here_cfg = apply_profile(cfg, profile, tree=tree)  # a one-pass drafter's pass priced on this tree
     measured = to_measured_cost(profile, chain=tree.width <= 1)
     here = _summary(simulate(here_cfg, profile=measured, tree=tree, draft_levels=draft_levels(cfg, profile)))
@@ -636,7 +675,14 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg), n)
     if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
         n = cfg.workload.max_new_tokens
-        here, preset = _law_summary(here, multi[1], n), _law_summary(preset, multi[1], n)
+        draft = member_draft_s(cfg, profile, multi[0])
+        if draft is not None:  # each draft model's levels on its own member tree
+            here = _restep(here, draft, here["t_verify_s"])
+        merged = merged_size(profile, multi[0], (multi[1].size - 1) // max(multi[0].size - 1, 1))
+        if merged is not None:  # the verify forward of the merged tree, not of the union's budget
+            here = _sized_summary(here, {merged: 1.0}, lambda k: float(measured.time(k)))
+            preset = _sized_summary(preset, {merged: 1.0}, CostModel.from_config(preset_cfg).verify_time)
+        here, preset = _law_summary(here, multi[2], n), _law_summary(preset, multi[2], n)
     if shapes:  # the trees a dynamic drafter kept, each under the measured (depth, rank) model
         n = cfg.workload.max_new_tokens
         draft = dynamic_draft_s(profile, shapes)

@@ -785,7 +785,151 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     here, preset = tree_predictions(cfg, prof, union_tree(Tree.chain(3), 3))
     tau = expected_tokens(Replay.from_json(doc), Tree.chain(3))
     assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
-    assert here["tree_size"] == 1 + 3 * 3  # priced on the merged budget
-    # ... with the loop's overhead beside the union's forward, whatever the merged drafts' sizes were
-    assert prof.extra["loop_verify_forward_tokens"] == prof.extra["loop_tree_size"] == 1 + 3 * 3
-    assert "predicted_mean_verify_tokens" not in here
+    assert here["tree_size"] == 1 + 3 * 3  # the union's budget (its draft, each member's chain)
+    # ... verified at the merged drafts' size: the loop's overhead beside their mean forward, and the loop's
+    # own tree priced at that mean (shared prefixes verified once)
+    sizes = {int(n): c for n, c in prof.extra["loop_verify_sizes"].items()}
+    mean = sum(n * c for n, c in sizes.items()) / sum(sizes.values())
+    assert prof.extra["loop_verify_forward_tokens"] == max(1, round(mean)) <= 1 + 3 * 3
+    assert sum(prof.extra["loop_verify_level_sizes"]) == pytest.approx(mean)
+    assert here["predicted_mean_verify_tokens"] == pytest.approx(mean)
+
+
+def test_specinfer_draft_is_priced_on_each_members_tree(run_config):
+    """Every draft model of SpecInfer fills the member tree on its own cache: a level of the merged tree feeds
+    each model the member's nodes, not the union's K times as many. The profile's level is the loop's (all K
+    models, one level of the union of K chains), so the loop's own tree is priced at the loop's draft
+    (levels × the loop's level) and a wider member tree by the member's widths; priced on the union's
+    widths, the quiet sweep's 61-node merged tree read its draft 6-28% high. τ and the verify term (the
+    union's forward) are the replay's and the union's, unchanged."""
+    from methods.measurement.profiles import draft_levels
+    from specsim.multidraft import union_tree
+
+    cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=3")
+    ranks = [[[0, 0, 1], [0, -1, 0], [1, 0, 0], [0, 0, 0]]]  # one prompt, 4 positions, 3 drafts
+    prof = dataclasses.replace(_profile(), drafter="specinfer")
+    prof.extra.update(multi_draft={"members": 3, "ranks": ranks}, loop_tree_depth=3, loop_tree_size=10,
+                      draft_level_ratios={"1": 0.1, "2": 0.15, "4": 0.25, "8": 0.45})  # a level grows with w
+    loop = union_tree(Tree.chain(3), 3)
+    here = tree_predictions(cfg, prof, loop)[0]
+    assert here["t_draft_s"] == pytest.approx(3 * prof.draft_time_s)  # the loop's own draft per step
+    assert here["t_step_s"] == pytest.approx(here["t_draft_s"] + here["t_verify_s"])
+    tau, ar, step = here["predicted_tau"], here["t_ar_s"], here["t_step_s"]
+    assert here["predicted_speedup"] == pytest.approx(tau * ar / step)
+    member = Tree.from_paths([[0, 0], [0, 1], [1, 0], [1, 1]])  # fed widths 1, 2
+    wide = tree_predictions(cfg, prof, union_tree(member, 3))[0]
+    levels = draft_levels(cfg, prof)
+    assert wide["t_draft_s"] == pytest.approx(levels.time(1) + levels.time(2))  # not (1, 6): the union's
+    assert wide["t_draft_s"] < levels.time(1) + levels.time(6)
+    assert wide["tree_size"] == 1 + 3 * 6  # the verify forward: the merged budget
+
+
+def _merging_profile(levels: list[float] | None) -> Profile:
+    """A SpecInfer profile whose loop (3 drafts, the union of 3 chains of 4: 13 nodes) merged its drafts
+    to ``levels`` nodes per depth on average (None: an older calibration without the counts)."""
+    ranks = [[[0, 0, 1], [0, -1, 0], [1, 0, 0], [0, 0, 0]]]
+    prof = dataclasses.replace(_profile(), drafter="specinfer")
+    prof.extra.update(multi_draft={"members": 3, "ranks": ranks}, loop_tree_depth=4, loop_tree_size=13)
+    if levels is not None:
+        prof.extra["loop_verify_level_sizes"] = levels
+    return prof
+
+
+def test_specinfer_verify_is_priced_at_the_merged_trees_size(run_config):
+    """SpecInfer's K drafts share their common prefixes: the verify forward is the merged tree's, not the
+    union's budget. Per depth the union's nodes are kept in the share the calibration's loop kept (its
+    merged chains); below the loop's depth the drafts still together part at the loop's last rate: on the
+    loop's own tree the price is the loop's mean merged forward; τ (the replay's) is unchanged. Priced on
+    the union, the quiet sweep's 61-node tree read its verification 14-30% high at T = 0 (about 40 of its
+    61 nodes were verified)."""
+    from methods.measurement.profiles import merged_size
+    from specsim.multidraft import union_tree
+
+    cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=4")
+    levels = [1.0, 1.2, 1.5, 1.8, 2.1]
+    prof, old = _merging_profile(levels), _merging_profile(None)
+    assert merged_size(prof, Tree.chain(4), 3) == pytest.approx(sum(levels))  # the loop's own tree
+    member = Tree.from_paths([[0, 0, 0, 0, 0, 0], [0, 1]])  # 6 deep: depth 2 has 2 nodes, 5-6 past the loop
+    share = [x / 3 for x in levels[1:]]
+    together = [(3 - x) / 2 for x in levels[1:]]  # drafts still together at depths 1-4: 0.9 .. 0.45
+    rate = together[3] / together[2]  # 0.45 / 0.6: they part at this rate per depth below the loop's 4
+    deeper = [(3 - 2 * together[3] * rate ** j) / 3 for j in (1, 2)]  # depths 5 and 6
+    kept = 3 * (share[0] + 2 * share[1] + share[2] + share[3] + deeper[0] + deeper[1])
+    assert merged_size(prof, member, 3) == pytest.approx(1 + kept)
+    assert merged_size(old, member, 3) is None
+    not_chains = dataclasses.replace(prof, extra={**prof.extra, "loop_tree_size": 9})
+    assert merged_size(not_chains, member, 3) is None  # the loop's tree was not the union of 3 chains
+    union = union_tree(member, 3)
+    here, preset = tree_predictions(cfg, prof, union)
+    base, base_preset = tree_predictions(cfg, old, union)  # before: the union's forward
+    measured = to_measured_cost(prof)
+    assert here["predicted_mean_verify_tokens"] == pytest.approx(1 + kept) and 1 + kept < union.size
+    assert here["t_verify_s"] == pytest.approx(float(measured.time(1 + kept)))
+    assert here["t_verify_s"] < base["t_verify_s"]
+    assert base["t_verify_s"] == pytest.approx(float(measured.time(union.size)))
+    assert here["predicted_tau"] == base["predicted_tau"] and here["t_draft_s"] == base["t_draft_s"]
+    assert here["t_step_s"] == pytest.approx(here["t_draft_s"] + here["t_verify_s"])
+    tau, ar, step = here["predicted_tau"], here["t_ar_s"], here["t_step_s"]
+    assert here["predicted_speedup"] == pytest.approx(tau * ar / step)
+    assert preset["t_verify_s"] < base_preset["t_verify_s"]  # the roofline's prediction likewise
+
+
+def test_specinfer_profile_without_merged_counts_is_measured_again(run_config):
+    cfg = run_config("method=specinfer", "tree.budgets=[1,2,4,8]")
+    prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
+                                           if k != "loop_verify_level_sizes"})
+    assert "merged draft sizes" in remeasure_reason(old, cfg)  # an older calibration: measured again
+
+
+class _Copier:
+    """A proposal drafter whose chain of 3 copies the trajectory (the tokens after the context), sampled from
+    a law q (``sampled``) or deterministic."""
+
+    def __init__(self, seq: torch.Tensor, sampled: bool) -> None:
+        self.seq, self.sampled = seq, sampled
+
+    def reset(self, prompt) -> None:
+        pass
+
+    def propose(self, ctx):
+        from methods.core.drafter import Draft
+
+        t = ctx.tokens.numel()
+        tokens = torch.cat([ctx.tokens[-1:], self.seq[t : t + 3]])
+        n = tokens.numel()
+        q = torch.full((n, 8), 1 / 8) if self.sampled else None
+        return Draft(Tree.chain(n - 1), tokens, q)
+
+
+def test_sampled_proposals_give_depth_one_stars_only():
+    """A drafter's own proposals are followed down the trajectory where its child equals the trajectory's
+    token: the prefix a deterministic verification accepted (prompt lookup's copied spans). A child sampled
+    from q equal to the trajectory's sampled token is a coincidence of two draws, not the rejection
+    verifier's acceptance: its stars stop at depth 1 (Online's T = 1 profile read deeper acceptance 0.63-1.0
+    from few such stars and predicted τ +19%)."""
+    from methods.measurement.calibrate import _proposed
+
+    seq = torch.arange(12) % 8
+    run = SimpleNamespace(cfg=SimpleNamespace(calibration=SimpleNamespace(width=4)), generator=None)
+    for sampled, depths in ((False, {1, 2, 3}), (True, {1})):
+        run.drafter = _Copier(seq, sampled)
+        out = _proposed(run, seq, 4, None, max_depth=3)
+        assert {d for d, _, _ in out} == depths
+        assert sum(d == 1 for d, _, _ in out) == seq.numel() - 4  # one depth-1 star per generated position
+
+
+def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config):
+    from methods.measurement.calibrate import PROPOSAL_STARS
+
+    budgets = "tree.budgets=[1,2,4,8]"
+    cfg = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
+    prof = dataclasses.replace(_profile(), drafter="online")
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
+                      proposal_stars=PROPOSAL_STARS)
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
+    assert "sampled proposals" in remeasure_reason(old, cfg)
+    assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before

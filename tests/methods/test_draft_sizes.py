@@ -40,6 +40,7 @@ def test_size_recorder_counts_drafts_away_from_the_end():
     for max_new in (48, 48, 48, 48, 3):  # the last one is cut by the generation's end: not counted
         rec.propose(SimpleNamespace(max_new=max_new))
     assert rec.sizes == {1: 1, 5: 2, 3: 1}
+    assert rec.level_means == [1.0, 0.75, 0.75, 0.5, 0.5]  # nodes per depth, root first, over the 4 counted
     assert rec.marker == "mine" and rec.needs_hidden_states is False  # the rest is the drafter's
 
 
