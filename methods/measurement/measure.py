@@ -156,6 +156,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: out of the timings
             decode(target, baseline, warm_ids, base_opts, generator)
             decode(target, drafter, warm_ids, opts, generator)
+        _forget_warmup(drafter)
         pairs = []
         for x in tqdm(ids, desc=f"measure {cfg.method.name}", disable=not show_progress):
             ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
@@ -183,6 +184,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         tree = dynamic_tree_for(cfg, profile)
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
         in_run = dict(getattr(drafter, "shapes", None) or {}) or None  # this run's own: a diagnostic only
+        metrics["dynamic_trees_recorded"] = sum(in_run.values()) if in_run else 0  # warm-up's left out
         if hasattr(drafter, "shapes"):  # a drafter recording its trees (EAGLE): price those it keeps on the
             depth = int(profile.extra.get("loop_tree_depth") or 0)  # its draft timed against the loop's chain
             shapes, path = ensure_shapes(cfg, pcfg, models, show_progress=show_progress,  # calibration split
@@ -258,6 +260,7 @@ def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.T
     for _ in range(cfg.warmup):
         for side, o in zip(sides, opts):
             decode_batch(target, side, [warm] * b, o, generator, w.continuous)
+    _forget_warmup(drafter)
     chunks = [ids] if w.continuous else [ids[i : i + b] for i in range(0, len(ids), b)]
     out: list[tuple[DecodeResult, DecodeResult]] = []
     desc = f"measure {cfg.method.name} (batch {b}{', continuous' if w.continuous else ''})"
@@ -268,6 +271,14 @@ def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.T
         totals[1].add_batch(res)
         out += list(zip(res.results, ref.results))
     return out
+
+
+def _forget_warmup(drafter) -> None:
+    """A drafter recording the trees it proposes (EAGLE-2/3's dynamic trees: ``shapes``,
+    ``mean_tree_size``) forgets the warm-up's, so that its records are the measured prompts' alone."""
+    clear = getattr(drafter, "clear_records", None)
+    if clear is not None:
+        clear()
 
 
 def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, Any]:
