@@ -220,6 +220,7 @@ def head(args: argparse.Namespace) -> None:
     from methods.measurement.measure import run_tree
     from methods.models import load_models
     from run import compose_run_config
+    from specsim.config import TreeKind
 
     torch.set_num_threads(args.threads)
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
@@ -228,12 +229,15 @@ def head(args: argparse.Namespace) -> None:
     tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree, models, SamplingParams(0.0), cfg.tree)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may cut it (MTP: to its modules' depth)
+    # a dynamic tree (EAGLE-2/3) expands every one of its tree.depth levels whatever the kept tree's depth:
+    # its step is priced per level of that expansion (specsim.cost.CostModel.draft_tree)
+    levels = cfg.tree.depth if TreeKind(cfg.tree.kind) == TreeKind.dynamic else tree.depth
     w = replace(cfg.workload, num_prompts=max(args.batches))
     texts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
     cache = Path(tempfile.mkdtemp()) if args.no_store else None
-    fit, runs, path = calibrate_head(cfg, models.target, drafter, tree.depth, texts, args.batches,
+    fit, runs, path = calibrate_head(cfg, models.target, drafter, levels, texts, args.batches,
                                      steps=int(cfg.workload.max_new_tokens), reps=args.reps, cache=cache)
-    print(f"{args.head} (tree of {tree.size} nodes, {tree.depth} levels) in the batched loop, "
+    print(f"{args.head} (tree of {tree.size} nodes, {levels} levels) in the batched loop, "
           f"{cfg.workload.name} prompts, {cfg.workload.max_new_tokens} tokens, ms per step: the speculative "
           "step outside its target forward, the AR step's at the same rows, the head step (their difference)")
     print(f"{'B':>3} {'rows':>5} {'spec out':>9} {'AR@rows':>8} {'head':>7} {'fitted':>7} "
