@@ -216,11 +216,10 @@ def head(args: argparse.Namespace) -> None:
     from methods.core.sampling import SamplingParams
     from methods.data.workloads import load_prompts
     from methods.drafters.registry import build_drafter
-    from methods.measurement.batch_cost import calibrate_head
+    from methods.measurement.batch_cost import calibrate_head, head_levels
     from methods.measurement.measure import run_tree
     from methods.models import load_models
     from run import compose_run_config
-    from specsim.config import TreeKind
 
     torch.set_num_threads(args.threads)
     cfg = compose_run_config(f"model={args.model}", f"model.dtype={args.dtype}", f"threads={args.threads}",
@@ -229,9 +228,7 @@ def head(args: argparse.Namespace) -> None:
     tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree, models, SamplingParams(0.0), cfg.tree)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may cut it (MTP: to its modules' depth)
-    # a dynamic tree (EAGLE-2/3) expands every one of its tree.depth levels whatever the kept tree's depth:
-    # its step is priced per level of that expansion (specsim.cost.CostModel.draft_tree)
-    levels = cfg.tree.depth if TreeKind(cfg.tree.kind) == TreeKind.dynamic else tree.depth
+    levels = head_levels(cfg, tree)  # a dynamic tree: its expansion's levels
     w = replace(cfg.workload, num_prompts=max(args.batches))
     texts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
     cache = Path(tempfile.mkdtemp()) if args.no_store else None
