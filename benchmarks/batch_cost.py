@@ -216,7 +216,7 @@ def head(args: argparse.Namespace) -> None:
     from methods.core.sampling import SamplingParams
     from methods.data.workloads import load_prompts
     from methods.drafters.registry import build_drafter
-    from methods.measurement.batch_cost import calibrate_head
+    from methods.measurement.batch_cost import calibrate_head, head_levels
     from methods.measurement.measure import run_tree
     from methods.models import load_models
     from run import compose_run_config
@@ -228,12 +228,13 @@ def head(args: argparse.Namespace) -> None:
     tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree, models, SamplingParams(0.0), cfg.tree)
     tree = getattr(drafter, "tree", None) or tree  # a drafter may cut it (MTP: to its modules' depth)
+    levels = head_levels(cfg, tree)  # a dynamic tree: its expansion's levels
     w = replace(cfg.workload, num_prompts=max(args.batches))
     texts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, cfg.seed)]
     cache = Path(tempfile.mkdtemp()) if args.no_store else None
-    fit, runs, path = calibrate_head(cfg, models.target, drafter, tree.depth, texts, args.batches,
+    fit, runs, path = calibrate_head(cfg, models.target, drafter, levels, texts, args.batches,
                                      steps=int(cfg.workload.max_new_tokens), reps=args.reps, cache=cache)
-    print(f"{args.head} (tree of {tree.size} nodes, {tree.depth} levels) in the batched loop, "
+    print(f"{args.head} (tree of {tree.size} nodes, {levels} levels) in the batched loop, "
           f"{cfg.workload.name} prompts, {cfg.workload.max_new_tokens} tokens, ms per step: the speculative "
           "step outside its target forward, the AR step's at the same rows, the head step (their difference)")
     print(f"{'B':>3} {'rows':>5} {'spec out':>9} {'AR@rows':>8} {'head':>7} {'fitted':>7} "

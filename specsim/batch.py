@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specsim.config import HardwareConfig, RunConfig
-from specsim.cost import CostModel, ModelShape, Roofline, TargetCost
+from specsim.cost import CostModel, DraftCost, ModelShape, Roofline, TargetCost
 
 BATCH_FIT_FORMAT = 5  # bump when BatchFit's fields or their meaning change (2: the loop's own time; 3: the
 # 1-token forward as the loop runs it; 4: a draft fit's loop terms = its speculative step beyond the AR step
@@ -374,6 +374,18 @@ class BatchCostModel:
             draft = replace(d, ratio=d.ratio * scale, fixed_ratio=d.fixed_ratio * scale)
         return replace(self.single, target=target, draft=draft)
 
+    def with_draft_step(self, seconds: float) -> BatchCostModel:
+        """The one-sequence draft priced at ``seconds`` per speculation step (a dynamic drafter's draft as
+        timed against the loop's chain, methods.measurement.profiles.dynamic_draft_s) instead of by its
+        levels: at B ≥ 2 it grows as the target's t(B, 1) (:meth:`at`'s ratio branch), or a head fit
+        replaces it. A drafter with a draft model's own batched forward keeps that pricing."""
+        assert seconds >= 0, seconds
+        d, t11 = self.single.draft, float(self.single.target.time(1))
+        if d.model is not None or self.draft is not None:
+            return self
+        step = DraftCost(0.0, seconds / t11, d.one_pass)
+        return replace(self, single=replace(self.single, draft=step))
+
     def draft_forwards(self, batch: int) -> bool:
         """The draft step at ``batch`` is the measured draft fit's forwards (a draft model drafting level
         by level, on a measured device at B ≥ 2 or in the batched loop's last rows) rather than a ratio of
@@ -471,31 +483,39 @@ def _tree_at(cfg: RunConfig, acceptance: Any, cost: CostModel, tree: Any = None)
 
 
 def speedup_curve(cfg: RunConfig, batches: Sequence[int], cost: BatchCostModel | None = None,
-                  tree: Any = None) -> list[tuple[int, float, float, Any]]:
+                  tree: Any = None, law: np.ndarray | None = None) -> list[tuple[int, float, float, Any]]:
     """(B, τ, S(B), tree) per B. Trees sized by the cost model (Sequoia, dynamic) are re-chosen at each B;
-    a fixed ``tree`` is priced as is."""
+    a fixed ``tree`` is priced as is. ``law``: the accepted-length law of a fixed ``tree``'s steps (a
+    dynamic drafter's recorded trees, specsim.trees.recorded_law): τ is its mean, ``tree`` sizes the step."""
     from specsim.acceptance import from_config
     from specsim.expected import expected_tokens
 
+    assert law is None or tree is not None, "a law prices a fixed tree's steps"
     model = from_config(cfg.method.acceptance)
     cost = cost or BatchCostModel.from_config(cfg)
     out = []
     for b in batches:
         at = cost.at(b)
         t = _tree_at(cfg, model, at, tree)
-        tau = expected_tokens(t, model)
+        tau = expected_tokens(t, model) if law is None else _mean(law)
         s = tau * at.ar_time / at.step_time(t) if t.depth > 0 else 1.0
         out.append((int(b), float(tau), float(s), t))
     return out
 
 
+def _mean(law: np.ndarray) -> float:
+    """τ of an accepted-length law (pmf over tokens per step, bonus included)."""
+    law = np.asarray(law, float)
+    return float(np.arange(law.size) @ law)
+
+
 def break_even_batch(cfg: RunConfig, cost: BatchCostModel | None = None, tree: Any = None,
-                     max_batch: int = MAX_SEARCH_BATCH) -> float | None:
+                     max_batch: int = MAX_SEARCH_BATCH, law: np.ndarray | None = None) -> float | None:
     """B*: the smallest batch at which the method's speculative step loses to autoregressive decoding
     (S(B) < 1), interpolated in log B between the integers around it; None if S >= 1 up to ``max_batch``
     or the method drafts nothing. A tree the cost model sizes (Sequoia) shrinks to the root alone instead
     of losing: its B* is where it stops speculating. S(B) is taken as decreasing in B: powers of two
-    bracket the crossing, bisection on integers narrows it."""
+    bracket the crossing, bisection on integers narrows it. ``law``: as :func:`speedup_curve`'s."""
     from specsim.predict import NO_DRAFTER
 
     if cfg.method.drafter == NO_DRAFTER:
@@ -503,7 +523,7 @@ def break_even_batch(cfg: RunConfig, cost: BatchCostModel | None = None, tree: A
     cost = cost or BatchCostModel.from_config(cfg)
 
     def s(b: int) -> float:
-        (_, _, sp, t), = speedup_curve(cfg, [b], cost, tree)
+        (_, _, sp, t), = speedup_curve(cfg, [b], cost, tree, law)
         return sp if t.depth > 0 else 1.0 - 1e-12  # the root alone: speculation does not pay here
 
     memo: dict[int, float] = {}
@@ -596,7 +616,8 @@ def static_batch_steps(cost: BatchCostModel, tree: Any, occupancy: np.ndarray) -
 def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: BatchFit | None = None,
                      tree: Any = None, batch_size: int | None = None, draft_fit: BatchFit | None = None,
                      with_break_even: bool = True, prompt_hists: Sequence[Sequence[int]] | None = None,
-                     head_fit: HeadFit | None = None) -> BatchPrediction:
+                     head_fit: HeadFit | None = None, law: np.ndarray | None = None,
+                     draft_s: float | None = None) -> BatchPrediction:
     """The simulator's prediction at ``batch_size`` (default ``cfg.workload.batch_size``) for the measure
     path: τ from ``cfg.method.acceptance`` (pass ``apply_profile(cfg, profile)``'s config for the measured
     one), t(B, n) from the hardware roofline or — with a measured single-row ``profile`` t(n) — that
@@ -607,21 +628,29 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
     profile's ``loop_accept_hist_by_prompt``): rows then differ in acceptance (:func:`prompt_laws`) and a
     static batch's length is :func:`mixture_batch_forwards`; without them every row has the one law.
     A static batch's steps are priced at the rows still decoding (:func:`static_batch_steps`).
-    ``head_fit``: a head drafter's batched draft step (:class:`HeadFit`)."""
+    ``head_fit``: a head drafter's batched draft step (:class:`HeadFit`).
+    A dynamic drafter (EAGLE-2/3) priced on the trees it kept (the one-sequence prediction's pricing,
+    methods.measurement.profiles.tree_predictions): ``law`` their accepted-length law (recorded_law; τ, the
+    forwards and B* from it, ``tree`` sizing the step), ``draft_s`` its one-sequence draft per step in
+    seconds (timed against the loop's chain): the draft at B = 1, grown with B as the target's t(B, 1)
+    (:meth:`BatchCostModel.with_draft_step`), or the ``head_fit``'s at B ≥ 2 where one was timed."""
     from specsim.acceptance import from_config
     from specsim.expected import accepted_length_law
 
     b = int(cfg.workload.batch_size if batch_size is None else batch_size)
     cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit, head_fit)
-    (_, tau, s, t), = speedup_curve(cfg, [b], cost, tree)
+    if draft_s is not None:
+        cost = cost.with_draft_step(draft_s)
+    (_, tau, s, t), = speedup_curve(cfg, [b], cost, tree, law)
     at = cost.at(b)
     step = at.step_time(t)
-    b_star = break_even_batch(cfg, cost, tree) if with_break_even else None
+    b_star = break_even_batch(cfg, cost, tree, law=law) if with_break_even else None
     n = int(cfg.workload.max_new_tokens)
     rows = 1 if getattr(cfg.workload, "continuous", False) else b  # continuous batching refills its rows
     forwards, draft, verify, mean_rows = float(n), at.draft_time(t), at.tree_verify_time(t), float(b)
     if t.depth > 0:
-        law = accepted_length_law(t, from_config(cfg.method.acceptance))
+        if law is None:
+            law = accepted_length_law(t, from_config(cfg.method.acceptance))
         laws = prompt_laws(prompt_hists, law) if prompt_hists else [law]
         occupancy = active_rows(laws, n, rows)
         if rows > 1:  # a static batch: its last steps run the rows still decoding

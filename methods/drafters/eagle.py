@@ -139,6 +139,14 @@ class EagleDrafter:
             raise ValueError(f"verifier chain needs a chain tree, got {tree}: use specinfer or sequoia")
         return cls(head, tree, sampling, "topk" if sampling.greedy else _SAMPLED.get(verifier, "topk"))
 
+    def clear_records(self) -> None:
+        """Forget the dynamic trees recorded so far (shapes, kept nodes' outcomes, sizes): measure calls it
+        after the warm-up, whose decodes (B copies of the warm prompt in a batch) are not the run's."""
+        self.shapes.clear()
+        self._sizes = [0, 0]
+        if self.kept is not None:
+            self.kept[:] = 0
+
     # ---- protocol -----------------------------------------------------------------------------------
     def reset(self, prompt: torch.Tensor) -> None:
         self.cache.reset()

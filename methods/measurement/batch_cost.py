@@ -32,7 +32,7 @@ import torch
 
 from methods.measurement.profiles import cache_root, key_document
 from specsim.batch import BATCH_FIT_FORMAT, BatchFit, HeadFit, fit_batch_cost
-from specsim.config import RunConfig
+from specsim.config import RunConfig, TreeKind
 from specsim.io import atomic_write_json, read_json
 
 GRID_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -402,6 +402,13 @@ def load_batch_fit(cfg: RunConfig, cache: Path | None = None, role: str = "targe
         return BatchFit.from_json(doc["fit"]) if doc.get("format") == BATCH_FIT_FORMAT else None
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def head_levels(cfg: RunConfig, tree: Any) -> int:
+    """The levels a head drafter's step runs, what :class:`HeadFit` is timed over: a dynamic tree (EAGLE-2/3)
+    expands every one of its ``tree.depth`` levels whatever the depth of the tree it keeps (the cost model
+    prices that expansion, specsim.cost.CostModel.draft_tree), a static ``tree`` its own depth."""
+    return int(cfg.tree.depth) if TreeKind(cfg.tree.kind) == TreeKind.dynamic else int(tree.depth)
 
 
 def calibrate_head(cfg: RunConfig, target: Any, drafter: Any, levels: int, texts: Sequence[torch.Tensor],

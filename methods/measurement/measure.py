@@ -37,6 +37,7 @@ from methods.measurement.calibrate import ensure_profile
 from methods.measurement.dynamic_shapes import ensure_shapes, nodes_per_depth
 from methods.measurement.profiles import (
     apply_profile,
+    dynamic_draft_s,
     dynamic_tree_for,
     prediction_metrics,
     profile_config,
@@ -48,10 +49,12 @@ from methods.measurement.profiles import (
 )
 from methods.measurement.staleness import judge_profile
 from methods.models import load_models
+from specsim.acceptance import from_config
 from specsim.batch import predict_at_batch
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
 from specsim.tree import Tree
+from specsim.trees import recorded_law
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         for _ in range(cfg.warmup):  # first calls allocate buffers and warm kernels: out of the timings
             decode(target, baseline, warm_ids, base_opts, generator)
             decode(target, drafter, warm_ids, opts, generator)
+        _forget_warmup(drafter)
         pairs = []
         for x in tqdm(ids, desc=f"measure {cfg.method.name}", disable=not show_progress):
             ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
@@ -180,6 +184,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         tree = dynamic_tree_for(cfg, profile)
         metrics["dynamic_mean_tree_size"] = getattr(drafter, "mean_tree_size", None)
         in_run = dict(getattr(drafter, "shapes", None) or {}) or None  # this run's own: a diagnostic only
+        metrics["dynamic_trees_recorded"] = sum(in_run.values()) if in_run else 0  # warm-up's left out
         if hasattr(drafter, "shapes"):  # a drafter recording its trees (EAGLE): price those it keeps on the
             depth = int(profile.extra.get("loop_tree_depth") or 0)  # its draft timed against the loop's chain
             shapes, path = ensure_shapes(cfg, pcfg, models, show_progress=show_progress,  # calibration split
@@ -222,7 +227,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         predictions.update(profile_acceptance_vector=list(profile.acceptance_vector),
                            profile_acceptance_vectors_by_depth=by_depth)
     if w.batch_size > 1:
-        predictions.update(batch_prediction(cfg, profile, sequoia_tree or tree, predictions))
+        predictions.update(batch_prediction(cfg, profile, sequoia_tree or tree, predictions, shapes))
     metrics.update(predictions)
     if "predicted_tau" in metrics and metrics["n_target_forwards"] and metrics["baseline_n_target_forwards"]:
         metrics["predicted_speedup_at_run_costs"] = at_run_costs(metrics)
@@ -255,6 +260,7 @@ def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.T
     for _ in range(cfg.warmup):
         for side, o in zip(sides, opts):
             decode_batch(target, side, [warm] * b, o, generator, w.continuous)
+    _forget_warmup(drafter)
     chunks = [ids] if w.continuous else [ids[i : i + b] for i in range(0, len(ids), b)]
     out: list[tuple[DecodeResult, DecodeResult]] = []
     desc = f"measure {cfg.method.name} (batch {b}{', continuous' if w.continuous else ''})"
@@ -265,6 +271,14 @@ def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.T
         totals[1].add_batch(res)
         out += list(zip(res.results, ref.results))
     return out
+
+
+def _forget_warmup(drafter) -> None:
+    """A drafter recording the trees it proposes (EAGLE-2/3's dynamic trees: ``shapes``,
+    ``mean_tree_size``) forgets the warm-up's, so that its records are the measured prompts' alone."""
+    clear = getattr(drafter, "clear_records", None)
+    if clear is not None:
+        clear()
 
 
 def _batch_metrics(cfg: RunConfig, method: _Totals, base: _Totals) -> dict[str, Any]:
@@ -297,21 +311,29 @@ def _step_terms(t: _Totals, prefix: str) -> dict[str, float]:
     return {f"{prefix}{k}": v for k, v in out.items()}
 
 
-def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str, Any]) -> dict[str, Any]:
+def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str, Any], shapes=None
+                     ) -> dict[str, Any]:
     """The simulator at the run's batch size B (specsim.batch.predict_at_batch): the profile's measured t(n)
     grown with B by this device's stored t(B, n) fit (methods.measurement.batch_cost; `python
     benchmarks/batch_cost.py` calibrates it), else by the hardware roofline's growth (``batch_cost_source``
     says which). ``predicted_tau`` / ``predicted_speedup`` become S(B), the batched speculative step over the
     batched autoregressive step; ``predicted_decode_speedup`` prices the run's generation length, a static
     batch stepping until its slowest row is done; the one-sequence prediction's keys stay under
-    ``*_batch1``."""
+    ``*_batch1``. ``shapes``: a dynamic drafter's kept trees (methods.measurement.dynamic_shapes), priced
+    as the one-sequence prediction prices them — τ, the forwards and B* from their law, the draft from
+    its timed draft (grown with B, or the head fit's) — not as ``tree``, the static DP tree that sizes the
+    step (an upper bound: the zoo's EAGLE-2 at B = 4 read τ 3.81 against 3.33 measured)."""
     fit = load_batch_fit(cfg)
     draft_fit = load_batch_fit(cfg, role="draft") if cfg.method.drafter == "draft_model" else None
     head_fit = load_head_fit(cfg) if draft_fit is None and profile is not None else None
     pcfg, cost = (cfg, None) if profile is None else (apply_profile(cfg, profile), to_measured_cost(profile))
     hists = _prompt_hists(profile, tree)
+    law = draft_s = None
+    if shapes and profile is not None:
+        law = recorded_law(shapes, from_config(pcfg.method.acceptance))
+        draft_s = dynamic_draft_s(profile, shapes)
     pred = predict_at_batch(pcfg, cost, fit, tree=tree, draft_fit=draft_fit, prompt_hists=hists,
-                            head_fit=head_fit)
+                            head_fit=head_fit, law=law, draft_s=draft_s)
     out = {f"{k}_batch1": v for k, v in one_sequence.items()
            if k in ("predicted_tau", "predicted_speedup", "predicted_decode_speedup",
                     "predicted_tokens_per_forward")}
@@ -330,11 +352,19 @@ def batch_prediction(cfg: RunConfig, profile, tree: Tree, one_sequence: dict[str
                batch_cost_source="fit" if fit is not None else "roofline growth",
                batch_draft_cost_source=_draft_source(draft_fit, head_fit if fit is not None else None),
                batch_rows_acceptance=f"{len(hists)} calibration prompts" if hists else "one law",
+               batch_tree_pricing="calibration_trees" if law is not None else "tree",
+               batch_dynamic_draft="timed" if draft_s is not None else None,
                # the former pricings beside it: every step at B rows; a head drafter's draft as the target
                # grows (without its loop-timed step)
                predicted_decode_speedup_b_rows=_decode_at(pred, cfg.workload.max_new_tokens, pred.t_step_s))
+    if law is not None:  # the former pricing beside it: the static DP tree (an upper bound)
+        static = predict_at_batch(pcfg, cost, fit, tree=tree, draft_fit=draft_fit, prompt_hists=hists,
+                                  head_fit=head_fit, with_break_even=False)
+        out.update(predicted_tau_static_tree_batch=static.predicted_tau,
+                   predicted_decode_speedup_static_tree_batch=static.predicted_decode_speedup)
     if head_fit is not None and fit is not None:
-        grown = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists, with_break_even=False)
+        grown = predict_at_batch(pcfg, cost, fit, tree=tree, prompt_hists=hists, with_break_even=False,
+                                 law=law, draft_s=draft_s)
         out["predicted_decode_speedup_head_grown"] = grown.predicted_decode_speedup
     return out
 

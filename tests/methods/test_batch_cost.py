@@ -237,3 +237,22 @@ def test_calibrate_head_times_a_head_drafter_in_the_loop_and_stores_its_line(tin
     assert doc["format"] == BATCH_FIT_FORMAT
     path.write_text(json.dumps({**doc, "format": BATCH_FIT_FORMAT - 1}))
     assert batch_cost.load_head_fit(cfg, tmp_path) is None
+
+
+def test_a_dynamic_trees_head_step_is_timed_over_its_expansions_levels(run_config):
+    """EAGLE-2's head runs every level of its expansion (tree.depth) whatever the depth of the tree it keeps
+    or of its static budget tree (the zoo's 8/4/2: 3 levels): its head line is timed over tree.depth levels
+    and so prices the draft at B as timed; over the budget tree's depth it would read 4/3 of it."""
+    from specsim.batch import BatchCostModel, BatchFit, HeadFit
+    from specsim.cost import MeasuredCost
+
+    cfg = run_config("model=zoo", "hardware=cpu", "method=eagle2", "tree=dynamic", "tree.total_tokens=8",
+                     "tree.depth=4", "tree.top_k=2")
+    budget = Tree.from_parents([-1, 0, 0, 1, 1, 2, 2, 3, 3])  # 9 nodes, 3 levels (the k-ary tree cut)
+    assert budget.depth == 3 and batch_cost.head_levels(cfg, budget) == 4
+    static = run_config("model=zoo", "method=eagle", "tree=chain", "tree.gamma=3")
+    assert batch_cost.head_levels(static, Tree.chain(3)) == 3
+    head = HeadFit(2e-3, 5e-4, batch_cost.head_levels(cfg, budget))
+    fit = BatchFit(2e-3, 0.0, 1e-8, 4e-4, 0.0, 160, "sum", loop0=2e-4, loop_row=3e-5)
+    cost = BatchCostModel.from_config(cfg, MeasuredCost((1, 9), (3e-3, 3.6e-3)), fit, head_fit=head)
+    assert cost.at(4).draft_time(budget) == pytest.approx(head.time(4))

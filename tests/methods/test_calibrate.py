@@ -727,6 +727,38 @@ def test_dynamic_draft_is_priced_as_the_loop_chain_times_its_timed_scale(run_con
     assert other["t_draft_s"] == levels["t_draft_s"]
 
 
+def test_a_batch_prices_a_dynamic_drafters_kept_trees_not_the_static_tree(run_config, monkeypatch):
+    """measure's prediction at B > 1 prices a dynamic drafter's recorded trees as the one-sequence one does:
+    τ from their law (not the static DP tree's, an upper bound: the zoo's EAGLE-2 at B = 4 read 3.81
+    against 3.33 measured), its draft from the timed scale; the static tree's figures kept beside."""
+    import methods.measurement.measure as measure_module
+    from methods.measurement.profiles import dynamic_tree_for
+    from specsim.tree import Tree
+    from specsim.trees import RecordedTrees
+
+    monkeypatch.setattr(measure_module, "load_batch_fit", lambda cfg, role="target": None)
+    monkeypatch.setattr(measure_module, "load_head_fit", lambda cfg: None)
+    cfg = run_config("method=eagle2", "tree=dynamic", "tree.total_tokens=3", "tree.depth=3", "tree.top_k=3",
+                     "workload.batch_size=4")
+    prof = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.8, 0.1, 0.05, 0.05))
+    prof.extra["loop_tree_depth"] = 4
+    tree = dynamic_tree_for(cfg, prof)
+    wide = {Tree.from_paths([[0], [1], [2]]): 1}
+    shapes = RecordedTrees(wide, draft_scale=(1.3, 4))
+    one = tree_predictions(cfg, prof, tree, shapes)[0]
+    static = measure_module.batch_prediction(cfg, prof, tree, {})
+    kept = measure_module.batch_prediction(cfg, prof, tree, {}, shapes)
+    levels = measure_module.batch_prediction(cfg, prof, tree, {}, RecordedTrees(wide))
+    assert kept["predicted_tau"] == pytest.approx(one["predicted_tau"]) == pytest.approx(1 + 0.8 + 0.1 + 0.05)
+    assert kept["predicted_tau"] < static["predicted_tau"] == kept["predicted_tau_static_tree_batch"]
+    assert kept["predicted_batch_forwards"] > static["predicted_batch_forwards"]
+    assert kept["predicted_decode_speedup_static_tree_batch"] == static["predicted_decode_speedup"]
+    assert kept["batch_tree_pricing"] == "calibration_trees" and static["batch_tree_pricing"] == "tree"
+    assert kept["batch_dynamic_draft"] == "timed" and levels["batch_dynamic_draft"] is None
+    assert kept["predicted_t_draft_s"] != pytest.approx(levels["predicted_t_draft_s"])
+    assert levels["predicted_tau"] == kept["predicted_tau"]
+
+
 def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
     """Lookahead's acceptance is the loop's (a draft stopped short is a rejection at that depth), so its
     profile's key differs from one measured on star trees; Draft & Verify's early exit is priced by its

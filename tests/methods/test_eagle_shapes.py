@@ -105,3 +105,18 @@ def test_measure_prices_the_calibration_trees_and_reports_its_own(run_config, ca
     assert "predicted_tau_kept_static_vectors" in m
     assert m["predicted_tau_kept_static_vectors"] == pytest.approx(static["predicted_tau"])
     assert m["predicted_tau_in_run_trees"] >= 1.0 and len(m["dynamic_nodes_per_depth"]) >= 1
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_warm_up_is_not_in_the_runs_recorded_trees(run_config, cache, batch):
+    """measure's warm-up decodes (a batch: B copies of the warm prompt) are left out of the trees the drafter
+    records in the run (its shapes, mean tree size): greedy, the measured prompts' trees are the same with
+    and without a warm-up."""
+    from methods.measurement.measure import measure
+
+    runs = [measure(run_config("task=measure", *SMALL, f"warmup={w}", f"workload.batch_size={batch}"),
+                    show_progress=False).metrics for w in (0, 2)]
+    keys = ("dynamic_trees_recorded", "dynamic_mean_tree_size", "dynamic_nodes_per_depth")
+    assert runs[0]["dynamic_trees_recorded"] > 0
+    assert [runs[0][k] for k in keys] == [runs[1][k] for k in keys]
+    assert runs[0]["n_target_forwards"] == runs[1]["n_target_forwards"]

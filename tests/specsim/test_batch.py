@@ -424,3 +424,53 @@ def test_a_head_fit_prices_the_head_drafters_step_at_batch(run_config, method):
     assert batch.HeadFit.from_json(head.to_json()) == head
     # the roofline (no measured device) has no batched loop to read a head fit against
     assert BatchCostModel.from_config(cfg, head_fit=head).head is None
+
+
+def test_a_recorded_law_prices_the_kept_trees_at_batch(run_config):
+    """A dynamic drafter's kept trees (specsim.trees.recorded_law) give τ, the static batch's forwards and B*
+    at every B, the static DP tree (same size and depth) only sizing the step: one kept tree recorded is
+    priced as that tree itself. The DP tree's own τ is an upper bound (the zoo's EAGLE-2 at B = 4: 3.81
+    predicted against 3.33 measured)."""
+    from specsim.acceptance import from_config
+    from specsim.trees import recorded_law
+
+    cfg, profile, fit, _ = _measured_device(run_config, "eagle2", "tree=dynamic",
+                                            "method.draft_cost_ratio=0.2")
+    dp, kept = Tree.from_parents([-1, 0, 0, 1]), Tree.from_parents([-1, 0, 0, 2])  # same size and depth
+    law = recorded_law({kept: 3}, from_config(cfg.method.acceptance))
+    for b in (1, 4, 16):
+        p = batch.predict_at_batch(cfg, profile, fit, tree=dp, batch_size=b, law=law)
+        own = batch.predict_at_batch(cfg, profile, fit, tree=kept, batch_size=b)
+        static = batch.predict_at_batch(cfg, profile, fit, tree=dp, batch_size=b)
+        assert p.predicted_tau == pytest.approx(own.predicted_tau) != pytest.approx(static.predicted_tau)
+        assert p.batch_forwards == pytest.approx(own.batch_forwards) != pytest.approx(static.batch_forwards)
+        assert p.predicted_decode_speedup == pytest.approx(own.predicted_decode_speedup)
+        assert p.t_step_s == pytest.approx(static.t_step_s)
+        assert p.break_even_batch is not None and p.break_even_batch == pytest.approx(own.break_even_batch)
+    assert static.break_even_batch != pytest.approx(own.break_even_batch)
+    with pytest.raises(AssertionError):  # a law prices a given tree's steps, not one sized at each B
+        batch.speedup_curve(cfg, [4], BatchCostModel.from_config(cfg, profile, fit), law=law)
+
+
+def test_a_timed_dynamic_draft_is_the_draft_at_one_grown_with_the_target_or_the_head_fits(run_config):
+    """A dynamic drafter's timed draft per step (``draft_s``, methods.measurement.profiles.dynamic_draft_s)
+    is its draft at B = 1, grows as the target's t(B, 1) at B ≥ 2 without a head fit, and gives way to
+    the head fit's batched step where one was timed; without it the draft is priced by its levels."""
+    cfg, profile, fit, _ = _measured_device(run_config, "eagle2", "tree=dynamic",
+                                            "method.draft_cost_ratio=0.2")
+    tree, d = Tree.from_parents([-1, 0, 0, 1]), 2.5e-3
+    cost = BatchCostModel.from_config(cfg, profile, fit)
+    head = batch.HeadFit(1e-3, 4e-4, levels=cfg.tree.depth)
+    for b in (1, 4, 16):
+        p = batch.predict_at_batch(cfg, profile, fit, tree=tree, batch_size=b, draft_s=d,
+                                   with_break_even=False)
+        levels = batch.predict_at_batch(cfg, profile, fit, tree=tree, batch_size=b, with_break_even=False)
+        assert p.t_draft_s == pytest.approx(d * cost.at(b).ar_time / cost.at(1).ar_time)
+        assert p.t_draft_s != pytest.approx(levels.t_draft_s) and p.t_verify_s == levels.t_verify_s
+        with_head = batch.predict_at_batch(cfg, profile, fit, tree=tree, batch_size=b, draft_s=d,
+                                           head_fit=head, with_break_even=False)
+        assert with_head.t_draft_s == pytest.approx(d if b == 1 else head.time(b))
+    # a draft model's own batched forward keeps its pricing
+    assert cost.with_draft_step(d) is not cost
+    with_model = BatchCostModel.from_config(cfg, profile, fit, draft_fit=fit)
+    assert with_model.with_draft_step(d) is with_model
