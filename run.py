@@ -418,6 +418,10 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_run_config(dcfg)
         check_runnable(cfg)
         seed_everything(cfg.seed, with_torch=cfg.task != Task.simulate, threads=cfg.threads)
+        if cfg.compile and cfg.task != Task.simulate:
+            from methods.core.engine import set_compile
+
+            set_compile(True)
         result = execute(cfg, out_dir)
         write_outputs(out_dir, run_metrics(cfg, result.metrics, experiment), result.samples)
         if result.metrics.get("drafter_updates") is not None:  # a drafter that learns while serving

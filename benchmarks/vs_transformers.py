@@ -34,7 +34,7 @@ from benchmarks.candidates import Context, add_race_arguments, candidates, metho
 from benchmarks.harness import BenchPath, Output, measure, median_speed, ratio  # noqa: E402
 from benchmarks.hf_configs import HF_ASSISTED, HF_GREEDY, HF_PLD, configurations, working_paths  # noqa: E402
 from benchmarks.physical_limit import describe, physical_limit  # noqa: E402
-from methods.core.engine import ModelEngine  # noqa: E402
+from methods.core.engine import ModelEngine, set_compile  # noqa: E402
 from methods.core.loop import DecodeOptions, decode  # noqa: E402
 from methods.core.sampling import SamplingParams  # noqa: E402
 from methods.data.workloads import load_prompts  # noqa: E402
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides += [f"workload.num_prompts={args.num_prompts}"] if args.num_prompts else []
     overrides += [f"workload.max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
     cfg = compose(*overrides)
+    set_compile(cfg.compile)  # override compile=true: specsim's engines run their compiled forward
     args.gamma = args.gamma or compose(*overrides, "tree=chain").tree.gamma
     dtype = cfg.model.dtype if args.dtype == "auto" else args.dtype
     models = load_models(cfg.model, args.device, dtype)  # a zoo is built on first use (minutes)

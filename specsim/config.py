@@ -202,6 +202,10 @@ class RunConfig:
     # torch intra-op threads (0 = torch's default). On a shared 2-core machine one thread is often faster:
     # with the other core busy, 2 OpenMP threads stall each other (measured 5-20x slower decode steps).
     threads: int = 0
+    # CPU forwards of 1-63 nodes as one torch.compile graph per model (methods.core.compiled_llama; a small
+    # draft whose projections all run as float32 mm stays eager): tens of seconds to minutes per model to
+    # compile once (inductor's disk cache shortens later runs), then ~5% faster target forwards (load)
+    compile: bool = False
     warmup: int = 1
     method: MethodConfig = field(default_factory=MethodConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)

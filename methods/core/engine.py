@@ -49,6 +49,15 @@ def inference(method: Callable) -> Callable:
     return run
 
 
+COMPILE = False  # engines' default for ``compile`` (RunConfig.compile, set once per process by set_compile)
+
+
+def set_compile(on: bool) -> None:
+    """The process's default for ``ModelEngine(compile=None)``: every engine built after this call."""
+    global COMPILE
+    COMPILE = bool(on)
+
+
 _MAX_TREE_CACHE = 64  # per-engine memo of tree masks; dynamic trees would otherwise grow it without bound
 
 
@@ -102,6 +111,18 @@ class BufferLayer(DynamicLayer):
         self.length = s + n
         self.keys, self.values = self.kbuf.narrow(2, 0, s + n), self.vbuf.narrow(2, 0, s + n)
         return self.keys, self.values
+
+    def reserve(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a forward that writes its ``n`` slots itself (methods.core.compiled_llama): the buffers,
+        allocated like ``like`` (1, H, 0, D) and grown to fit, and the write position; the layer's length
+        moves past the n slots."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        s = self.length
+        if s + n > self.capacity:
+            self._grow(s + n)
+        self.length = s + n
+        return self.kbuf, self.vbuf, s
 
     def _grow(self, needed: int) -> None:
         cap = max(needed, 2 * self.capacity)
@@ -158,12 +179,16 @@ class ModelEngine:
     """Owns the KV cache of one sequence on one model. All methods run under ``torch.inference_mode``."""
 
     def __init__(self, model: PreTrainedModel, capacity: int | None = None, fast: bool = True,
-                 pack: bool | None = None):
+                 pack: bool | None = None, compile: bool | None = None):
         """``fast``: the lean Llama forward where the model supports it; ``pack``: its oneDNN-prepacked CPU
-        projections (None = where they work, see ``methods.core.fast_llama``)."""
+        projections (None = where they work, see ``methods.core.fast_llama``); ``compile``: its short
+        forwards as one inductor graph (methods.core.compiled_llama; None = ``COMPILE``, the process's
+        default, set by ``set_compile``)."""
         self.model = model
         cpu_fp32_attention = torch.float32 if model.device.type == "cpu" else None
-        self.fast = FastLlama(model, cpu_fp32_attention, pack) if fast and supports_fast(model) else None
+        compile = COMPILE if compile is None else compile
+        self.fast = (FastLlama(model, cpu_fp32_attention, pack, compile) if fast and supports_fast(model)
+                     else None)
         self.base = model.base_model  # the decoder stack (LlamaModel, GPT2Model, GPTNeoXModel, ...)
         self.head = model.get_output_embeddings()
         self.context = context_length(model)

@@ -18,6 +18,10 @@ model's at batch 1) runs instead as one float32 BLAS ``mm`` on a float32 (in, ou
 weight itself, transposed, for a float32 model), 2x faster there: ``SMALL_MACS`` rows x weight elements at
 most. The float32 products of bfloat16 values are exact, so the result is the bf16 linear's to the order of
 the float32 sums, rounded to bf16 (equal to float rounding, like the prepacked path).
+
+``compile=True``: full forwards of fewer than ``BLOCKED_MIN_ROWS`` nodes (decode steps, trees, draft chains)
+run as one inductor graph instead (methods.core.compiled_llama); prefills, partial forwards and feature taps
+stay on this eager path.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from methods.core.compiled_llama import compile_works, compiled_forward
 from methods.core.mixed_attention import mixed_attention
 
 
@@ -170,8 +175,9 @@ class FastLlama:
     ``can_pack``)."""
 
     def __init__(self, model: PreTrainedModel, attn_dtype: torch.dtype | None = None,
-                 pack: bool | None = None):
+                 pack: bool | None = None, compile: bool = False):
         assert supports(model), f"{type(model).__name__} is not a plain Llama"
+        self.model = model
         cfg, base = model.config, model.model
         self.attn_dtype = attn_dtype or model.dtype
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -190,14 +196,22 @@ class FastLlama:
         self.packed = can_pack(model) if pack is None else pack
         self.linear: Callable[..., torch.Tensor] = F.linear
         self.layers, self.lm_head = self._plain, self._lm_head
+        # the HF parameters (not the fused tensors: a Parameter re-pointed with .data keeps its own version
+        # counter), whose in-place updates must reach the packed copies and the compiled graph's constants.
+        # Inference tensors (a model loaded under inference_mode) have no version counter: their updates
+        # cannot be seen.
+        self._watched = [p for p in model.parameters() if not p.is_inference()]
         if self.packed:
             self.linear = _dual_linear
-            # the HF parameters (not the fused tensors: a Parameter re-pointed with .data keeps its own
-            # version counter), whose in-place updates must reach the packed copies. Inference tensors (a
-            # model loaded under inference_mode) have no version counter: their updates cannot be seen.
-            self._watched = [m.weight for m in model.modules()
-                             if isinstance(m, torch.nn.Linear) and not m.weight.is_inference()]
             self._repack()
+        # the whole forward as one inductor graph for short full forwards (methods.core.compiled_llama),
+        # except for a model whose every projection takes the float32 mm path at one row (a small draft): the
+        # graph's linears are oneDNN's, and there the eager forward measured faster (zoo draft, load)
+        all_mm = self.packed and all(type(w) is _Dual for lay in self.layers
+                                     for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down))
+        self.compiled = compile and model.device.type == "cpu" and compile_works() and not all_mm
+        self._kv_like = torch.empty(1, self.n_kv, 0, self.head_dim, dtype=self.attn_dtype,
+                                    device=model.device)  # BufferLayer.reserve's allocation pattern
         positions = torch.arange(cfg.max_position_embeddings, device=model.device)[None]
         with torch.no_grad():  # HF's own rotary module: the same rope type, scaling and dtype cast
             cos, sin = base.rotary_emb(self.embed[:1][None], positions)
@@ -232,9 +246,20 @@ class FastLlama:
         """ids, position: (n,); mask: (1, 1, n, L) additive in attn_dtype, or None (attend to everything); kv:
         the cache layers (``update(k, v)`` appends and returns the (1, Hkv, L, D) views). Returns (n, H) after
         the final norm. ``taps``: for each key i, the output (n, H) of decoder layer i (0-based, before the
-        final norm) is stored under i."""
+        final norm) is stored under i. Fewer than ``BLOCKED_MIN_ROWS`` nodes without taps run compiled
+        when ``compiled`` (kv: layers with ``reserve``, methods.core.engine.BufferLayer)."""
+        if self.compiled and taps is None and ids.shape[0] < BLOCKED_MIN_ROWS:
+            return self._compiled_forward(ids, position, mask, kv)
         x = self.layers_forward(self.embed_tokens(ids), position, mask, kv, taps=taps)
         return self.final_norm(x)
+
+    def _compiled_forward(self, ids: torch.Tensor, position: torch.Tensor, mask: torch.Tensor | None,
+                          kv: list) -> torch.Tensor:
+        n, start = ids.shape[0], kv[0].length
+        bufs = [layer.reserve(n, self._kv_like) for layer in kv]  # (kbuf, vbuf, the layer's write slot)
+        assert all(s == start for _, _, s in bufs), f"cache layers at {[s for _, _, s in bufs]}, not {start}"
+        fn = compiled_forward(self.model, self, self._stamp())
+        return fn(ids, position, mask, [k for k, _, _ in bufs], [v for _, v, _ in bufs], start)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """(n,) ids → (n, H) the input of decoder layer 0."""
