@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from methods.core.engine import context_length
 from methods.core.fast_llama import FastLlama
 from methods.core.fast_llama import supports as supports_fast
-from methods.core.mixed_attention import available as mixed_available
+from methods.core.mixed_attention import cache_dtype
 from specsim.tree import Tree
 
 
@@ -83,24 +83,6 @@ def attention_dtype(model: PreTrainedModel) -> torch.dtype | None:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     reduced = model.dtype in (torch.bfloat16, torch.float16)
     return torch.float32 if model.device.type == "cpu" and reduced and not amx else None
-
-
-def cache_dtype(model: PreTrainedModel, attn_dtype: torch.dtype, fast: bool, mixed: bool = True
-                ) -> torch.dtype:
-    """The KV cache's storage dtype under attention in ``attn_dtype``: the model's bf16 / fp16 where the
-    attention is float32 on CPU over the lean forward (``fast``) and the mixed-precision kernel is built
-    (methods.core.mixed_attention; ``mixed`` False: never); else ``attn_dtype``. Lossless: the lean forward
-    computes keys and values in the model's dtype (projections, RoPE), so the cache holds the float32
-    cache's values in half the bytes, and the kernel accumulates in float32 like the float32 SDPA. A B = 16
-    zoo decode step reads ~57 MB of float32 K/V at ~190 keys; the kernel over the bf16 cache took ~1.4-1.5
-    ms per step's 6 layers against the float32 SDPA's ~5.3 (AMD EPYC, one thread, load). Not bit-equal to
-    the one-sequence engine's SDPA: bf16 greedy rows equal their prompt decoded alone on 30 of 32 prompts
-    (float32 models keep the float32 cache and SDPA, exact)."""
-    reduced = model.dtype in (torch.bfloat16, torch.float16)
-    if mixed and fast and reduced and attn_dtype == torch.float32 and model.device.type == "cpu" \
-            and mixed_available():
-        return model.dtype
-    return attn_dtype
 
 
 # A prefill of many rows runs in groups of rows of at most this many padded tokens per forward: B = 16 rows of

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from methods.core.fast_llama import FastLlama, SubLayers
 from methods.core.fast_llama import supports as supports_fast
+from methods.core.mixed_attention import cache_dtype
 from specsim.tree import Tree
 
 
@@ -49,6 +50,9 @@ def inference(method: Callable) -> Callable:
     return run
 
 
+# the one-sequence cache in the model's bf16 under float32 attention where batch engines store it so
+# (mixed_attention.cache_dtype): the batched and the one-sequence engine then attend alike
+MIXED_CACHE = True
 COMPILE = False  # engines' default for ``compile`` (RunConfig.compile, set once per process by set_compile)
 
 
@@ -88,16 +92,19 @@ class BufferLayer(DynamicLayer):
     """One layer's KV in preallocated (1, H, capacity, D) buffers; ``update`` writes at ``length`` and returns
     views, so no per-step concatenation copies the whole cache."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, store: torch.dtype | None = None):
+        """``store``: the buffers' dtype where it is not the written states' (a bf16 cache under float32
+        attention, ``batch_engine.cache_dtype``)."""
         super().__init__()
         self.capacity = capacity
+        self.store = store
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.store or key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self.kbuf = key_states.new_zeros(b, h, self.capacity, d)
-        self.vbuf = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.kbuf = key_states.new_zeros(b, h, self.capacity, d, dtype=self.dtype)
+        self.vbuf = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1], dtype=self.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -195,8 +202,10 @@ class ModelEngine:
         self.device, self.dtype = model.device, model.dtype
         self.n_layers = n_layers = model.config.get_text_config().num_hidden_layers
         cap = min(capacity or self.context, self.context)
-        self.cache = Cache(layers=[BufferLayer(cap) for _ in range(n_layers)])
         self.mask_dtype = self.fast.attn_dtype if self.fast is not None else self.dtype  # = the attention's
+        store = (cache_dtype(model, self.mask_dtype, self.fast is not None and not self.fast.compiled)
+                 if MIXED_CACHE else None)
+        self.cache = Cache(layers=[BufferLayer(cap, store) for _ in range(n_layers)])
         self._neg = torch.finfo(self.mask_dtype).min
         self._mask = torch.zeros(1, 1, 0, 0, dtype=self.mask_dtype, device=self.device)
         self._tree_memo: dict[Tree, tuple[torch.Tensor | None, torch.Tensor, np.ndarray, int]] = {}

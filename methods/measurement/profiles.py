@@ -34,8 +34,9 @@ from specsim.predict import Prediction, simulate
 from specsim.tree import Tree
 from specsim.trees import build_tree, recorded_law
 
-PROFILE_FORMAT = 9  # bump when what a profile means changes (8: 24 prompts; 9: costs as ratios of t(1) from
-# interleaved rounds, their dispersion, the stale mark)
+PROFILE_FORMAT = 10  # bump when what a profile means changes (8: 24 prompts; 9: costs as ratios of t(1) from
+# interleaved rounds, their dispersion, the stale mark; 10: the one-sequence engine's bf16 KV cache under
+# float32 attention, methods.core.mixed_attention, and the compiled forward in the key)
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,7 @@ def key_document(cfg: RunConfig) -> dict[str, Any]:
         "device": device_name(cfg.device),
         "threads": _threads(cfg.device),  # t(n) on a CPU depends on torch's thread count
         "torch": _torch_version(),  # ... and on its kernels
+        "compile": bool(getattr(cfg, "compile", False)),  # the compiled forward's t(n) is not the eager one's
         "width": cfg.calibration.width,
     }
 

@@ -249,3 +249,41 @@ def test_extend_with_last_gives_those_nodes_logits_and_the_same_cache(tiny_targe
     assert picked.shape == (3, 1, tiny_target.config.vocab_size)
     torch.testing.assert_close(picked[:, 0], full[torch.arange(3), last], atol=ATOL, rtol=0)
     torch.testing.assert_close(after_picked, after_full, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-cache", "float32-cache"])
+def test_bf16_one_sequence_engine_keeps_the_batched_engines_cache_dtype_and_logits(tiny_target, monkeypatch,
+                                                                                    mixed):
+    """The one-sequence engine stores a bf16 model's KV like the batched engine (mixed_attention.cache_dtype:
+    bf16 under float32 attention where the kernel is built), so a row decoded in a batch and alone attend
+    through the same kernel over the same values: their logits are equal bit for bit over ragged prompts and
+    tree steps (greedy bf16 rows then agree with their prompt decoded alone); with the float32 cache on both
+    sides the one-sequence logits are unchanged to bf16 rounding."""
+    monkeypatch.setattr("methods.core.engine.MIXED_CACHE", mixed)
+    monkeypatch.setattr(BatchEngine, "mixed_cache", mixed)
+    model = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in (12, 5, 9)]
+    eng = BatchEngine(model, max_rows=3, capacity=8)
+    eng.add(3)
+    eng.prefill([p[:-1] for p in prompts])
+    roots, steps = torch.stack([p[-1] for p in prompts]), []
+    for tree in TREES[:2]:
+        tokens = torch.randint(0, 300, (3, tree.size), generator=g)
+        tokens[:, 0] = roots
+        path = tree.path_to(tree.size - 1)
+        steps.append((tokens, tree, path, eng.forward_trees(tokens, [tree]).logits))
+        eng.commit([path] * 3)
+        roots = tokens[:, path[-1]]
+    assert eng.k.dtype == (torch.bfloat16 if mixed else torch.float32)
+    for b, p in enumerate(prompts):
+        one = ModelEngine(model)
+        one.prefill(p[:-1])
+        assert one.cache.layers[0].kbuf.dtype == eng.k.dtype
+        for tokens, tree, path, batched in steps:
+            alone = one.forward_tree(tokens[b], tree).logits
+            if mixed:
+                assert torch.equal(alone.float(), batched[b].float())
+            else:
+                torch.testing.assert_close(alone.float(), batched[b].float(), atol=0.1, rtol=0.05)
+            one.commit(path)
