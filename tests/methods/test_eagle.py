@@ -23,7 +23,17 @@ from methods.heads import trainer
 from methods.heads.eagle.batch_state import BatchHeadCache
 from methods.heads.eagle.checkpoint import _split, load_eagle, names, save_eagle
 from methods.heads.eagle.state import HeadCache, grow_ancestors
-from methods.heads.eagle.train import EagleTrainConfig, new_head, rollout, train, ttt_mask
+from methods.heads.eagle.train import (
+    EagleTrainConfig,
+    greedy_labels,
+    loss,
+    make_batch,
+    new_head,
+    rollout,
+    train,
+    ttt_attention,
+    ttt_mask,
+)
 from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
 from specsim.tree import Tree
 
@@ -47,6 +57,28 @@ def test_ttt_mask_is_the_draft_nodes_view():
     assert m[4, 5:10].tolist() == [False, False, False, True, False]
     assert m[4, 10:].tolist() == [False, False, False, False, True]
     assert (m.sum(1) >= 1).all()
+
+
+@pytest.mark.parametrize("steps,kv_heads", [(1, 4), (2, 4), (3, 2), (5, 1)])
+def test_ttt_attention_is_sdpa_under_the_ttt_mask(steps, kv_heads):
+    """The rollout's structured attention gives the values and gradients of SDPA over all steps' keys under
+    ``ttt_mask`` (grouped K/V heads included)."""
+    g = torch.Generator().manual_seed(steps)
+    B, T, n, d = 2, 9, 4, 8
+    q = torch.randn(B, T, n, d, generator=g, requires_grad=True)
+    ks = [torch.randn(B, T, kv_heads, d, generator=g, requires_grad=True) for _ in range(steps + 1)]
+    vs = [torch.randn(B, T, kv_heads, d, generator=g, requires_grad=True) for _ in range(steps + 1)]
+    w = torch.randn(B, T, n, d, generator=g)
+    ours = ttt_attention(q, ks, vs)
+    grads = torch.autograd.grad((ours * w).sum(), [q, *ks, *vs])
+    rep = n // kv_heads
+    kt = torch.cat(ks, 1).transpose(1, 2).repeat_interleave(rep, 1)
+    vt = torch.cat(vs, 1).transpose(1, 2).repeat_interleave(rep, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kt, vt,
+                                                           attn_mask=ttt_mask(T, steps)).transpose(1, 2)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, torch.autograd.grad((ref * w).sum(), [q, *ks, *vs])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
@@ -520,3 +552,35 @@ def test_draft_vocab_enters_the_cache_key_only_when_set_and_bad_sizes_are_refuse
     too_big = EagleTrainConfig(variant="eagle3", feature_layers=(0, 1), draft_vocab=10**6)
     with pytest.raises(ValueError, match="<= the target's vocabulary"):
         too_big.head_config(tiny_models.target)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_greedy_labels_train_q_on_the_targets_argmax(tiny_models, draft_vocab):
+    """labels=greedy: the rollout's CE is against the argmax of p (restricted to the draft vocabulary when
+    there is one), not p itself; the field enters the cache key only when set, bad values are refused."""
+    target = tiny_models.target
+    base = dict(variant="eagle3", feature_layers=(0, 1), ttt_steps=2, noise=0.0, draft_vocab=draft_vocab)
+    soft, greedy = EagleTrainConfig(**base), EagleTrainConfig(**base, labels="greedy")
+    assert "labels" not in soft.to_dict() and greedy.to_dict()["labels"] == "greedy"
+    with pytest.raises(ValueError, match="labels"):
+        EagleTrainConfig(**base, labels="hard")
+    head = _random_head(target, "eagle3", (0, 1))
+    if draft_vocab:
+        head = new_head(target, soft.head_config(target))
+        ids = torch.arange(0, 2 * draft_vocab, 2)
+        head.d2t.copy_(ids - torch.arange(draft_vocab))
+    seq = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    feats = trainer.target_features(target, seq, (0, 1))
+    lm = target.get_output_embeddings().weight.detach().float()[head.draft_ids()]
+    b = make_batch(feats, seq, torch.arange(2), lm)
+    with torch.no_grad():
+        outs = rollout(head, head.fuse(b.h), b.tokens, 2)
+        labels = b.p_logits.argmax(-1)
+        want = sum(greedy.step_decay**s * torch.nn.functional.cross_entropy(
+            head.draft_logits(g)[:, s:].flatten(0, 1), labels[:, s:].flatten()) for s, g in enumerate(outs))
+        torch.testing.assert_close(loss(head, b, greedy), want)
+        assert not torch.allclose(loss(head, b, soft), want)
+        # the labels computed once for all windows (training's pipeline) are the batch's argmax
+        cached = make_batch(feats, seq, torch.arange(2), lm, greedy_labels(feats, lm, chunk=1))
+        assert cached.p_logits is None and torch.equal(cached.labels(), labels)
+        torch.testing.assert_close(loss(head, cached, greedy), want)

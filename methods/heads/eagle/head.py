@@ -169,7 +169,13 @@ class EagleHead(nn.Module):
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
         m = None if mask is None else mask.to(qt.dtype)
         a = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, is_causal=mask is None)
-        x = res + self._lin("o_proj", a.transpose(1, 2).reshape(*res.shape[:-1], -1).to(res.dtype))
+        return self.block(res, a.transpose(1, 2))
+
+    def block(self, res: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """g from the residual (..., T, H) and the attention's output heads a (..., T, n, d): residual +
+        o_proj(a), then the MLP block."""
+        c = self.cfg
+        x = res + self._lin("o_proj", a.reshape(*res.shape[:-1], -1).to(res.dtype))
         y = rms_norm(x, self.post_norm, c.rms_eps)
         gate, up = self._lin("gate_up_proj", y).chunk(2, -1)
         return x + self._lin("down_proj", F.silu(gate) * up)
