@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls
 
 from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
@@ -380,9 +381,30 @@ def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
     ratios = profile.extra.get("draft_level_ratios") or {}
     if "1" not in ratios or cfg.method.draft_steps != "depth" or profile.draft_time_s <= 0:
         return None
+    terms = draft_terms(profile)  # the loop's level beyond its constant and its nodes, where timed
+    level = profile.draft_time_s if terms is None else terms[1] * profile.t_ar_s
     base = float(ratios["1"])
-    table = {int(w): profile.draft_time_s * float(r) / base for w, r in ratios.items()}
+    table = {int(w): level * float(r) / base for w, r in ratios.items()}
     return MeasuredCost.from_mapping(table)
+
+
+def draft_terms(profile: Profile) -> tuple[float, float, float] | None:
+    """The loop's draft per speculation step as F + a · levels + b · nodes (nodes drafted below the root), in
+    t(1): (F, a, b), the non-negative least squares over the shapes the calibration timed the drafter's loop
+    on (its chain of D, a chain of 1, a star of 8: three shapes, three terms). A level's growth with its
+    width rides on a (:func:`draft_levels`). Without a star (a verifier of chains only) b is 0: a chain
+    drafts as many nodes as levels, and a carries both. None where the shapes were not timed. Priced as the
+    chain's draft / D per level, shallow trees read low (no constant per step: EAGLE-1's draft per step
+    0.43 t(1) + 0.20 per level + 0.016 per node at T = 0 on the quiet sweep's rows) and wide ones too."""
+    shapes = profile.extra.get("draft_shape_ratios") or []
+    if len({(int(s["levels"]), int(s["nodes"])) for s in shapes}) < 2:
+        return None
+    wide = any(int(s["nodes"]) > int(s["levels"]) for s in shapes)
+    a = np.array([[1.0, float(s["levels"]), float(s["nodes"])] for s in shapes])
+    if not wide:  # levels = nodes on every shape
+        a = a[:, :2]
+    fixed, level, *node = nnls(a, np.array([float(s["ratio"]) for s in shapes]))[0]
+    return float(fixed), float(level), float(node[0]) if node else 0.0
 
 
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
@@ -454,7 +476,10 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", 
     forward = profile.extra.get("loop_verify_forward_tokens")
     if forward and m.verify_extra_tokens:  # Lookahead: the forward the loop measured, not the full-pool bound
         m.verify_extra_tokens = max(0, int(forward) - int(profile.extra["loop_tree_size"]))
-    if m.draft_steps == "depth":
+    terms = draft_terms(profile) if m.draft_steps == "depth" else None
+    if terms is not None:  # the loop's constant per step and cost per node, and its level beyond them
+        m.draft_fixed_ratio, m.draft_cost_ratio, m.draft_node_ratio = terms
+    elif m.draft_steps == "depth":
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:
         m.draft_cost_ratio, m.draft_fixed_ratio = 0.0, ratio

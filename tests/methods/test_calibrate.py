@@ -600,6 +600,9 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     prof = measure_profile(cfg, tiny_models, show_progress=False)
     assert len(prof.acceptance_vectors_by_depth) == 3
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
+    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8)}  # the loop timed on each
+    assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
 
@@ -933,3 +936,50 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
     assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before
+
+
+def _shaped_profile(fixed: float, level: float, node: float, star: bool = True) -> Profile:
+    """A draft-model profile whose loop drafted F + a · levels + b · nodes (t(1)) on its chain of 4, a chain
+    of 1 and (``star``) a star of 8; its draft ratio per level is the chain's / 4, as calibrated."""
+    shapes = [("loop", 4, 4), ("chain1", 1, 1)] + ([("star8", 1, 8)] if star else [])
+    prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
+    prof.extra.update(loop_tree_depth=4, loop_tree_size=5,
+                      draft_level_ratios={"1": 0.1, "2": 0.12, "8": 0.25},
+                      draft_shape_ratios=[{"shape": s, "levels": n_l, "nodes": n,
+                                           "ratio": fixed + level * n_l + node * n} for s, n_l, n in shapes])
+    return prof
+
+
+def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
+    """The loop's draft timed on its chain of 4, a chain of 1 and a star of 8 gives a constant per step, a
+    cost per level and one per node: each timed shape is priced at its own timed draft, and a level wider
+    than 1 grows by the timed level's growth with its width. Priced as the chain's draft / 4 per level, a
+    shallow tree read low (EAGLE-1 Sequoia-8 prose T0: 0.62 t(1) priced, 0.99 measured, quiet sweep)."""
+    from methods.measurement.profiles import draft_terms
+
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    prof = _shaped_profile(0.4, 0.2, 0.02)
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02))
+    t1 = prof.t_ar_s
+    for tree, levels, nodes in ((Tree.chain(4), 4, 4), (Tree.chain(1), 1, 1), (Tree.kary(8, 1), 1, 8)):
+        priced = tree_predictions(cfg, prof, tree)[0]["t_draft_s"]
+        assert priced == pytest.approx((0.4 + 0.2 * levels + 0.02 * nodes) * t1)
+    sequoia8 = Tree.from_paths([[0], [1], [2], [3], [0, 0], [0, 1], [1, 0]])  # fed 1, then 2 nodes
+    grown = 0.12 / 0.1  # the level fed 2 over the level fed 1, as timed
+    priced = tree_predictions(cfg, prof, sequoia8)[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * (1 + grown) + 0.02 * 7) * t1)
+    assert priced > 2 * prof.draft_time_s * grown  # the chain's level × the levels: the old, low price
+    no_star = _shaped_profile(0.4, 0.2, 0.02, star=False)  # a chain verifier: a level carries its node
+    assert draft_terms(no_star) == pytest.approx((0.4, 0.22, 0.0))
+    assert draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": []})) is None
+
+
+def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
+    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    prof = _shaped_profile(0.4, 0.2, 0.02)
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
+    assert "tree shapes" in remeasure_reason(old, cfg)
+    lookup = dataclasses.replace(old, drafter="prompt_lookup")  # no draft levels of its own: none timed
+    assert remeasure_reason(lookup, run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")) == ""
