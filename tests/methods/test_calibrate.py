@@ -36,6 +36,7 @@ from methods.measurement.profiles import (
     cold_walk_ratio,
     draft_levels,
     draft_pass_scale,
+    draft_terms,
     load_profile,
     loop_forward_excess,
     measured_acceptance,
@@ -133,7 +134,9 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
-    assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n)}
+    shapes = {"qshape(loop)/t1", "qshape(chain1)/t1", "qshape(star8)/t1"}  # the loop's draft per tree shape
+    assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
+                                           *shapes}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
@@ -143,10 +146,10 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
     assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
     assert prof.extra["draft_level_timing"] == "draft_model"
-    levels = draft_levels(cfg, prof)
-    assert levels.time(1) == pytest.approx(prof.draft_time_s)
+    levels, level = draft_levels(cfg, prof), draft_terms(prof)[1] * prof.t_ar_s  # beyond F and the nodes
+    assert levels.time(1) == pytest.approx(level)
     growth = prof.extra["draft_level_ratios"]["8"] / prof.extra["draft_level_ratios"]["1"]
-    assert levels.time(8) == pytest.approx(prof.draft_time_s * growth)  # the loop's level, in proportion
+    assert levels.time(8) == pytest.approx(level * growth)  # the loop's level, in proportion
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
@@ -955,8 +958,6 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     cost per level and one per node: each timed shape is priced at its own timed draft, and a level wider
     than 1 grows by the timed level's growth with its width. Priced as the chain's draft / 4 per level, a
     shallow tree read low (EAGLE-1 Sequoia-8 prose T0: 0.62 t(1) priced, 0.99 measured, quiet sweep)."""
-    from methods.measurement.profiles import draft_terms
-
     cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
     prof = _shaped_profile(0.4, 0.2, 0.02)
     assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02))
