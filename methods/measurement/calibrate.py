@@ -78,7 +78,7 @@ from methods.models import Models, context_length, load_models
 from specsim.acceptance import from_config
 from specsim.adaptive_exit import ConfidenceTable
 from specsim.config import RunConfig, TreeKind, Verifier
-from specsim.cost import CostModel
+from specsim.cost import CostModel, DraftCost
 from specsim.io import atomic_write_json
 from specsim.multidraft import Replay, member_ranks
 from specsim.tree import Tree
@@ -520,10 +520,13 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
 
 
 # the trees besides the calibration's chain of D on which a level-by-level drafter's loop is timed: with the
-# chain they separate its draft per step into a constant, a cost per level and a cost per node
-# (profiles.draft_terms). Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8 tree read
-# its draft 0.62 t(1) where the loop drafted 0.99 (quiet sweep, docs/validation.md)
-DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1)}
+# chain they separate its draft per step into a constant, a cost per level, a cost per node and a cost per
+# level fed several nodes (the fan's second level: 4 nodes, a tree-masked draft forward): draft_terms.
+# Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8 tree read its draft 0.62 t(1) where
+# the loop drafted 0.99 (quiet sweep); with the star alone, the draft model's Sequoia trees read 13-18% low,
+# 0.05-0.09 t(1) per level fed more than one node (docs/validation.md)
+DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1),
+                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])}
 LOOP_SHAPE = "loop"
 
 
@@ -537,13 +540,18 @@ def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
 
 def shape_drafters(run: _Run) -> dict[str, Any]:
     """The drafter built on each of DRAFT_SHAPES (none where :func:`times_draft_shapes` is false). A verifier
-    of chains only (Leviathan's, sampled) verifies no star: the chain of 1 alone then, and the draft's cost
+    of chains only (Leviathan's, sampled) verifies no tree: the chain of 1 alone then, and the draft's cost
     per node is not told apart from its cost per level (a chain has as many of each)."""
     if not times_draft_shapes(run.drafter, run.cfg, run.tree):
         return {}
-    chains_only = Verifier(run.cfg.method.verifier) == Verifier.chain
-    return {name: build_drafter(run.cfg.method, tree, run.models, run.sampling)
-            for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only}
+    return {name: build_drafter(run.cfg.method, DRAFT_SHAPES[name], run.models, run.sampling)
+            for name in shape_names(run.cfg) if name != LOOP_SHAPE}
+
+
+def shape_names(cfg: RunConfig) -> list[str]:
+    """The shapes of DRAFT_SHAPES ``cfg``'s verifier verifies, and the calibration's own chain."""
+    chains_only = Verifier(cfg.method.verifier) == Verifier.chain
+    return [LOOP_SHAPE, *(name for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only)]
 
 
 LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
@@ -971,7 +979,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
     trees = {LOOP_SHAPE: run.tree, **DRAFT_SHAPES}
-    shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1, "ratio": r}
+    fed = DraftCost(fed_width=True).widths  # the nodes fed to the drafter per level
+    shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1,
+               "fed": fed(trees[name]), "ratio": r}
               for (kind, name), r in t.verify_step_ratios.items() if kind == QSHAPE]
     return {"draft_shape_ratios": shapes} if shapes else {}
 
@@ -1129,8 +1139,9 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no timed pass per tree (a profile of an older calibration)"
     if times_own_level(kind, cfg) and profile.extra.get("draft_level_timing") != "drafter":
         return "draft levels timed on the draft model, not the drafter's own (an older calibration)"
-    if times_draft_shapes(kind, cfg, depth_tree(cfg)) and "draft_shape_ratios" not in profile.extra:
-        return "the loop's draft timed on its chain alone, not on other tree shapes (an older calibration)"
+    timed = {s["shape"] for s in profile.extra.get("draft_shape_ratios") or [] if "fed" in s}
+    if times_draft_shapes(kind, cfg, depth_tree(cfg)) and not timed >= set(shape_names(cfg)):
+        return "the loop's draft not timed on every tree shape (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 
