@@ -78,6 +78,9 @@ class MethodConfig:
     # cost per speculation step in target-forward units (e.g. Medusa heads: one pass for all depths)
     draft_cost_ratio: float = 0.0
     draft_fixed_ratio: float = 0.0
+    # simulator: a further drafter cost per drafted node (below the root) per speculation step, in t(1) units
+    # (calibrated: the drafter's loop timed on trees of several shapes, methods.measurement.profiles)
+    draft_node_ratio: float = 0.0
     # simulator: self-speculation's shared cache (LayerSkip): the share ρ_v of the target's layers the draft
     # already ran for the nodes it fed, which the verify pass does not recompute (E / L; 0 = none)
     verify_reuse_ratio: float = 0.0
@@ -259,6 +262,7 @@ RANGES: dict[str, Range] = {
     "warmup": NON_NEGATIVE,
     "method.draft_cost_ratio": NON_NEGATIVE,
     "method.draft_fixed_ratio": NON_NEGATIVE,
+    "method.draft_node_ratio": NON_NEGATIVE,
     "method.draft_tokens_per_forward": Range(1),
     "method.verify_extra_tokens": NON_NEGATIVE,
     "method.verify_reuse_ratio": Range(0, 1, hi_open=True),

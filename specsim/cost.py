@@ -145,7 +145,9 @@ class DraftCost:
     Medusa heads, MTP). Plus ``fixed_ratio`` · t(1) per step with drafts (drafter bookkeeping).
     Staged SD (Spector & Ré 2023) speculates the draft model itself: a second stage proposes, the draft
     model checks ``tokens_per_forward`` levels per forward on average, so the per-level steps are divided
-    by it (its own lookups go into ``fixed_ratio``)."""
+    by it (its own lookups go into ``fixed_ratio``). Plus ``node_ratio`` · t(1) per drafted node below the
+    root (the drafter's bookkeeping per node: tree masks, positions, the candidates' choice), calibrated
+    from the drafter's loop on trees of several shapes (methods.measurement.profiles.draft_terms)."""
 
     ratio: float = 0.0
     fixed_ratio: float = 0.0
@@ -155,6 +157,7 @@ class DraftCost:
     # a level's width = the nodes of the level above that have children (what a draft model is fed; a
     # measured per-width table, methods.measurement.profiles.draft_levels), else every node of that level
     fed_width: bool = False
+    node_ratio: float = 0.0
 
     def widths(self, tree: Tree) -> list[int]:
         if self.one_pass:
@@ -173,7 +176,11 @@ class DraftCost:
             steps = self.ratio * t1 * len(widths)
         else:
             steps = float(np.sum(self.model.time(np.asarray(widths))))
-        return steps / self.tokens_per_forward + self.fixed_ratio * t1
+        return steps / self.tokens_per_forward + (self.fixed_ratio + self.node_ratio * (tree.size - 1)) * t1
+
+    def per_node(self, t1: float) -> float:
+        """The draft's time per drafted node (beyond its levels and its constant per step)."""
+        return self.node_ratio * t1
 
     def per_depth(self, t1: float) -> tuple[float, float]:
         """(time per draft step, constant per speculation step) in the form Sequoia's selection uses
@@ -215,7 +222,8 @@ class CostModel:
             draft_model = Roofline.from_config(resident, ModelShape.draft(cfg.model), context)
         one = m.draft_steps == "one"
         per_forward = m.draft_tokens_per_forward
-        draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward)
+        draft = DraftCost(m.draft_cost_ratio, m.draft_fixed_ratio, one, draft_model, per_forward,
+                          node_ratio=m.draft_node_ratio)
         if draft_levels is not None and not one:
             draft = replace(draft, model=draft_levels, fed_width=True)
         dynamic = TreeKind(cfg.tree.kind) == TreeKind.dynamic

@@ -42,11 +42,13 @@ def sequoia_choice(
     levels (root included): target time t(budget) from the cost model (roofline or measured), draft time
     per step from the method (a single-pass drafter's cost is a constant added to every drafted tree's
     target time instead). A tree is charged what specsim.predict prices it at: one draft step per level
-    below the root (levels − 1; the reference charges one more), and no drafter cost for the root alone."""
+    below the root (levels − 1; the reference charges one more), and no drafter cost for the root alone.
+    The draft's cost per node (``DraftCost.per_node``) rides on the budget: a tree of b nodes drafts b − 1."""
     budgets = [int(b) for b in tree_cfg.budgets]
     per_step, constant = cost.draft.per_depth(cost.ar_time)
     drafted = np.asarray(budgets) > 1  # the root alone drafts nothing: DraftCost.time is 0 there
-    target_times = np.asarray(cost.verify_time(budgets), dtype=float) + constant * drafted  # (K,)
+    nodes = cost.draft.per_node(cost.ar_time) * (np.asarray(budgets, dtype=float) - 1)
+    target_times = np.asarray(cost.verify_time(budgets), dtype=float) + (constant + nodes) * drafted  # (K,)
     return sequoia.select(
         acceptance_vector(acceptance), tree_cfg.max_levels, budgets, target_times.tolist(), per_step,
         root_step=False, baseline_time=cost.ar_time,

@@ -63,6 +63,7 @@ METHOD = [
     Bad(("method.acceptance.decay=0",), ("method.acceptance.decay", "(0, 1]", "got 0"), slow=SLOW),
     Bad(("method.draft_cost_ratio=-0.1",), ("method.draft_cost_ratio", ">= 0", "-0.1"), slow=SLOW),
     Bad(("method.draft_fixed_ratio=nan",), ("method.draft_fixed_ratio", ">= 0", "nan"), slow=SLOW),
+    Bad(("method.draft_node_ratio=-1",), ("method.draft_node_ratio", ">= 0", "-1"), slow=SLOW),
     Bad(("method.verify_saving_ratio=1",), ("method.verify_saving_ratio", "[0, 1)", "got 1"), slow=SLOW),
     Bad(("method.draft_steps=two",), ("method.draft_steps", "'two'", "depth, one"), slow=SLOW),
     Bad(("method.draft_cost=flops",), ("method.draft_cost", "'flops'", "ratio, roofline"), slow=SLOW),

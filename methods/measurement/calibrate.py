@@ -42,13 +42,14 @@ from methods.core.timing import (
 from methods.core.verify import verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
-from methods.drafters.registry import backbone_of, build_drafter, drafter_class
+from methods.drafters.registry import NEEDS_DRAFT_MODEL, backbone_of, build_drafter, drafter_class
 from methods.measurement.cost_table import (
     DRAFT,
     MAX_TIMING_DISPERSION,
     QLEVEL,
     QPASS,
     QPASS_CHAIN,
+    QSHAPE,
     SHARED,
     T_AR,
     TIMING_ATTEMPTS,
@@ -77,7 +78,7 @@ from methods.models import Models, context_length, load_models
 from specsim.acceptance import from_config
 from specsim.adaptive_exit import ConfidenceTable
 from specsim.config import RunConfig, TreeKind, Verifier
-from specsim.cost import CostModel
+from specsim.cost import CostModel, DraftCost
 from specsim.io import atomic_write_json
 from specsim.multidraft import Replay, member_ranks
 from specsim.tree import Tree
@@ -467,7 +468,7 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
     cal, m = run.cfg.calibration, run.cfg.method
     levels = max(run.tree.depth if m.draft_steps == "depth" else 1, 1)
     trees, tokens = star_inputs(run.target, sizes, run.cfg.seed)
-    prompt = {"ar": 0, "spec": 0}
+    prompt = {"ar": 0, "spec": 0, **{name: 0 for name in DRAFT_SHAPES}}
 
     def next_prompt(path: str) -> torch.Tensor:
         i, prompt[path] = prompt[path], prompt[path] + 1
@@ -482,7 +483,17 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
         r = decode(run.target, run.drafter, next_prompt("spec"), _spec_opts(run), run.generator)
         steps = max(r.n_target_forwards, 1)
         per_step = _forwards_per_step(before, _draft_counts(run.drafter)) or levels
-        return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps}
+        loop = {(QSHAPE, LOOP_SHAPE): r.time_draft_s / steps} if shapes else {}
+        return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps, **loop}
+
+    shapes = shape_drafters(run)
+
+    def shaped() -> dict:  # the drafter's loop on each other tree shape, on the round's prompt
+        out = {}
+        for name, drafter in shapes.items():
+            r = decode(run.target, drafter, next_prompt(name), _spec_opts(run), run.generator)
+            out[(QSHAPE, name)] = r.time_draft_s / max(r.n_target_forwards, 1)
+        return out
 
     shared = {"on": True}
     checks = _verify_inputs(run, sizes)
@@ -505,7 +516,42 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
             out.update({SHARED: ratio * out[run.tree.size]} if shared["on"] else {})
         return out
 
-    return interleaved([ar, spec, forwards], cal.reps, cal.warmup)
+    return interleaved([ar, spec, forwards, *([shaped] if shapes else [])], cal.reps, cal.warmup)
+
+
+# the trees besides the calibration's chain of D on which a level-by-level drafter's loop is timed: with the
+# chain they separate its draft per step into a constant, a cost per level, a cost per node and a cost per
+# level fed several nodes (the fan's second level: 4 nodes, a tree-masked draft forward): draft_terms.
+# Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8 tree read its draft 0.62 t(1) where
+# the loop drafted 0.99 (quiet sweep); with the star alone, the draft model's Sequoia trees read 13-18% low,
+# 0.05-0.09 t(1) per level fed more than one node (docs/validation.md)
+DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1),
+                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])}
+LOOP_SHAPE = "loop"
+
+
+def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
+    """Whether calibration times the drafter's loop on DRAFT_SHAPES beside its chain ``tree``: drafters that
+    fill trees level by level with a model of their own (the draft model's, EAGLE's head: ``level_step``),
+    a chain at least 2 deep; ``drafter`` an instance or its class."""
+    own = hasattr(drafter, "level_step") or cfg.method.drafter in NEEDS_DRAFT_MODEL
+    return own and cfg.method.draft_steps == "depth" and tree.width <= 1 and tree.depth >= 2
+
+
+def shape_drafters(run: _Run) -> dict[str, Any]:
+    """The drafter built on each of DRAFT_SHAPES (none where :func:`times_draft_shapes` is false). A verifier
+    of chains only (Leviathan's, sampled) verifies no tree: the chain of 1 alone then, and the draft's cost
+    per node is not told apart from its cost per level (a chain has as many of each)."""
+    if not times_draft_shapes(run.drafter, run.cfg, run.tree):
+        return {}
+    return {name: build_drafter(run.cfg.method, DRAFT_SHAPES[name], run.models, run.sampling)
+            for name in shape_names(run.cfg) if name != LOOP_SHAPE}
+
+
+def shape_names(cfg: RunConfig) -> list[str]:
+    """The shapes of DRAFT_SHAPES ``cfg``'s verifier verifies, and the calibration's own chain."""
+    chains_only = Verifier(cfg.method.verifier) == Verifier.chain
+    return [LOOP_SHAPE, *(name for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only)]
 
 
 LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
@@ -915,6 +961,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
         "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
         "draft_models": (_draft_modes(run) or ("", 0))[1],
+        # the loop's draft per speculation step / t(1) on trees of other shapes (levels and drafted nodes
+        # below the root) beside its own chain's: profiles.draft_terms
+        **_shape_extra(run, t),
         # a one-pass drafter's proposal / t(1) on chains of d drafts and on trees of n nodes its full depth
         # (Medusa's heads: profiles.draft_pass_scale prices the loop's pass on another tree in proportion)
         **_pass_extra(t),
@@ -926,6 +975,15 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         **_self_draft_extra(cfg, run, m),
         **({"multi_draft": m.replay} if m.replay is not None else {}),
     }
+
+
+def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
+    trees = {LOOP_SHAPE: run.tree, **DRAFT_SHAPES}
+    fed = DraftCost(fed_width=True).widths  # the nodes fed to the drafter per level
+    shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1,
+               "fed": fed(trees[name]), "ratio": r}
+              for (kind, name), r in t.verify_step_ratios.items() if kind == QSHAPE]
+    return {"draft_shape_ratios": shapes} if shapes else {}
 
 
 def _pass_extra(t: CostTable) -> dict[str, Any]:
@@ -1081,6 +1139,9 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no timed pass per tree (a profile of an older calibration)"
     if times_own_level(kind, cfg) and profile.extra.get("draft_level_timing") != "drafter":
         return "draft levels timed on the draft model, not the drafter's own (an older calibration)"
+    timed = {s["shape"] for s in profile.extra.get("draft_shape_ratios") or [] if "fed" in s}
+    if times_draft_shapes(kind, cfg, depth_tree(cfg)) and not timed >= set(shape_names(cfg)):
+        return "the loop's draft not timed on every tree shape (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

@@ -33,6 +33,9 @@ QLEVEL = "qlevel"  # (QLEVEL, w): one draft level fed w nodes (draft forward + c
 # a one-pass drafter's proposal (Medusa's heads) timed per tree: (QPASS_CHAIN, d) on a chain of d drafts,
 # (QPASS, n) on a tree of n nodes as deep as the drafter drafts
 QPASS_CHAIN, QPASS = "qpass_chain", "qpass"
+# (QSHAPE, name): the drafter's draft per speculation step in the decode loop on the tree ``name``
+# (methods.measurement.calibrate.DRAFT_SHAPES; "loop": the calibration's own chain)
+QSHAPE = "qshape"
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,14 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
     dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
     # a one-pass drafter's timed passes price its draft on every other tree (0.3–1 t(1) each, unlike the
-    # ~0.1 ms verification walks): a busy phase that hits them makes no profile either
+    # ~0.1 ms verification walks), as the loop's drafts per tree shape price a level-by-level drafter's: a
+    # busy phase that hits them makes no profile either
     passes = {k: ratios(rounds, k, T_AR) for k in rounds[0]
-              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS)}
+              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE)}
     dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS)}
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
                      steps)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls
 
 from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
@@ -382,9 +383,41 @@ def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
     ratios = profile.extra.get("draft_level_ratios") or {}
     if "1" not in ratios or cfg.method.draft_steps != "depth" or profile.draft_time_s <= 0:
         return None
+    terms = draft_terms(profile)  # the loop's level beyond its constant and its nodes, where timed
+    level = profile.draft_time_s if terms is None else terms[1] * profile.t_ar_s
+    wide = 0.0 if terms is None else terms[3] * profile.t_ar_s  # a level fed several nodes, beyond its growth
     base = float(ratios["1"])
-    table = {int(w): profile.draft_time_s * float(r) / base for w, r in ratios.items()}
+    table = {int(w): level * float(r) / base + (wide if int(w) > 1 else 0.0) for w, r in ratios.items()}
     return MeasuredCost.from_mapping(table)
+
+
+def draft_terms(profile: Profile) -> tuple[float, float, float, float] | None:
+    """The loop's draft per speculation step as F + a · Σ_levels g(w) + b · nodes + e · wide levels, in t(1):
+    (F, a, b, e), the non-negative least squares over the shapes the calibration timed the drafter's loop
+    on (its chain of D, a chain of 1, a star of 8, a fan of 4: four shapes, four terms). g(w) is the timed
+    level's growth with the nodes it is fed (``draft_level_ratios``, r(w) / r(1)), nodes are drafted below
+    the root, and a wide level is one fed more than one node: its draft forward runs with a tree mask, which
+    the back-to-back level timing does not show (the draft model's r(2) / r(1) read 0.94) and which cost
+    the zoo's Sequoia trees 0.05-0.09 t(1) per such level. A term no timed shape tells apart is 0: without
+    trees (a verifier of chains only) a carries the node; without the fan e is 0. None where the shapes
+    were not timed. Priced as the chain's draft / D per level, shallow trees read low (EAGLE-1's draft per
+    step: 0.43 t(1) + 0.20 per level + 0.016 per node at T = 0 on the quiet sweep's rows)."""
+    shapes = profile.extra.get("draft_shape_ratios") or []
+    if len({(int(s["levels"]), int(s["nodes"])) for s in shapes}) < 2:
+        return None
+    ratios = profile.extra.get("draft_level_ratios") or {}
+    growth = MeasuredCost.from_mapping({int(w): float(r) / float(ratios["1"]) for w, r in ratios.items()}
+                                       ) if "1" in ratios else MeasuredCost((1,), (1.0,))
+    rows = []
+    for s in shapes:
+        fed = [int(w) for w in s.get("fed") or [1] * int(s["levels"])]
+        rows.append([1.0, float(np.sum(growth.time(np.asarray(fed)))), float(s["nodes"]),
+                     float(sum(w > 1 for w in fed))])
+    a = np.array(rows)
+    told = [0, 1] + [k for k in (2, 3) if np.linalg.matrix_rank(a[:, [0, 1, k]]) == 3]
+    x = np.zeros(4)
+    x[told] = nnls(a[:, told], np.array([float(s["ratio"]) for s in shapes]))[0]
+    return float(x[0]), float(x[1]), float(x[2]), float(x[3])
 
 
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
@@ -456,7 +489,10 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", 
     forward = profile.extra.get("loop_verify_forward_tokens")
     if forward and m.verify_extra_tokens:  # Lookahead: the forward the loop measured, not the full-pool bound
         m.verify_extra_tokens = max(0, int(forward) - int(profile.extra["loop_tree_size"]))
-    if m.draft_steps == "depth":
+    terms = draft_terms(profile) if m.draft_steps == "depth" else None
+    if terms is not None:  # the loop's constant per step and cost per node, and its level beyond them
+        m.draft_fixed_ratio, m.draft_cost_ratio, m.draft_node_ratio = terms[:3]  # e: in draft_levels
+    elif m.draft_steps == "depth":
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:
         m.draft_cost_ratio, m.draft_fixed_ratio = 0.0, ratio

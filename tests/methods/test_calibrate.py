@@ -36,6 +36,7 @@ from methods.measurement.profiles import (
     cold_walk_ratio,
     draft_levels,
     draft_pass_scale,
+    draft_terms,
     load_profile,
     loop_forward_excess,
     measured_acceptance,
@@ -133,7 +134,9 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
-    assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n)}
+    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4")}  # the loop's draft per shape
+    assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
+                                           *shapes}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
@@ -143,10 +146,11 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
     assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
     assert prof.extra["draft_level_timing"] == "draft_model"
-    levels = draft_levels(cfg, prof)
-    assert levels.time(1) == pytest.approx(prof.draft_time_s)
+    terms = draft_terms(prof)  # the level beyond F and the nodes, and a wide level's extra
+    levels, level, wide = draft_levels(cfg, prof), terms[1] * prof.t_ar_s, terms[3] * prof.t_ar_s
+    assert levels.time(1) == pytest.approx(level)
     growth = prof.extra["draft_level_ratios"]["8"] / prof.extra["draft_level_ratios"]["1"]
-    assert levels.time(8) == pytest.approx(prof.draft_time_s * growth)  # the loop's level, in proportion
+    assert levels.time(8) == pytest.approx(level * growth + wide)  # the loop's level, in proportion
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
@@ -600,6 +604,9 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     prof = measure_profile(cfg, tiny_models, show_progress=False)
     assert len(prof.acceptance_vectors_by_depth) == 3
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
+    shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
+    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8)}  # the loop on each
+    assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
 
@@ -965,3 +972,70 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
     assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before
+
+
+GROWTH = {"1": 0.1, "2": 0.12, "8": 0.25}  # a draft level's timed growth with the nodes fed to it
+
+
+def _grown(fed: list[int]) -> float:
+    """Σ over the levels of the timed level's growth r(w) / r(1) (linear between the timed widths)."""
+    w, r = np.array([1, 2, 8]), np.array([GROWTH[k] for k in ("1", "2", "8")]) / GROWTH["1"]
+    return float(np.sum(np.interp(fed, w, r)))
+
+
+def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True) -> Profile:
+    """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node (t(1))
+    on its chain of 4, a chain of 1 and (``trees``) a star of 8 and a fan of 4; its draft ratio per level is
+    the chain's / 4, as calibrated."""
+    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8)]
+                                                           if trees else [])
+    prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
+    drafted = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
+                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)}
+               for s, fed, n in shapes]
+    prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
+                      draft_shape_ratios=drafted)
+    return prof
+
+
+def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
+    """The loop's draft timed on its chain of 4, a chain of 1, a star of 8 and a fan of 4 (a level fed 4
+    nodes) gives a constant per step, a cost per level (growing with the nodes it is fed as the level's
+    timing grows), one per node and one per level fed several nodes: each timed shape is priced at its own
+    timed draft. Priced as the chain's draft / 4 per level, a shallow tree read low (EAGLE-1 Sequoia-8 prose
+    T0: 0.62 t(1) priced, 0.99 measured, quiet sweep)."""
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06))
+    t1 = prof.t_ar_s
+    fan = Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])
+    for tree, fed, nodes in ((Tree.chain(4), [1] * 4, 4), (Tree.chain(1), [1], 1), (Tree.kary(8, 1), [1], 8),
+                             (fan, [1, 4], 8)):
+        priced = tree_predictions(cfg, prof, tree)[0]["t_draft_s"]
+        wide = 0.06 * sum(w > 1 for w in fed)
+        assert priced == pytest.approx((0.4 + 0.2 * _grown(fed) + 0.02 * nodes + wide) * t1)
+    sequoia8 = Tree.from_paths([[0], [1], [2], [3], [0, 0], [0, 1], [1, 0]])  # fed 1, then 2 nodes
+    priced = tree_predictions(cfg, prof, sequoia8)[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 2]) + 0.02 * 7 + 0.06) * t1)
+    assert priced > prof.draft_time_s * _grown([1, 2])  # the chain's level × the levels: the old, low price
+    chains = _shaped_profile(0.4, 0.2, 0.02, 0.06, trees=False)  # a chain verifier: a level carries its node
+    assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0))
+    assert draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": []})) is None
+
+
+def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
+    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
+    assert "every tree shape" in remeasure_reason(old, cfg)
+    no_fan = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan4"]  # this session's first
+    assert "every tree shape" in remeasure_reason(
+        dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan}), cfg)
+    chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
+                       "tree.budgets=[1,2,4,8]")
+    assert remeasure_reason(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan[:2]}),
+                            chain) == ""  # a chain verifier: the chains alone are timed
+    lookup = dataclasses.replace(old, drafter="prompt_lookup")  # no draft levels of its own: none timed
+    assert remeasure_reason(lookup, run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")) == ""

@@ -11,7 +11,7 @@ import pytest
 
 import methods.measurement.calibrate as calibrate_module
 from methods.measurement.calibrate import calibrate, ensure_profile
-from methods.measurement.cost_table import DRAFT, T_AR, TIMING_ATTEMPTS, VERIFY
+from methods.measurement.cost_table import DRAFT, QSHAPE, T_AR, TIMING_ATTEMPTS, VERIFY
 from methods.measurement.measure import measure
 from methods.measurement.profiles import (
     Profile,
@@ -30,8 +30,12 @@ SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=
 
 
 def _rounds(t1: list[float], sizes) -> list[dict]:
-    """Scripted rounds on a machine whose slowdown is t1[r] / 1e-3: every cost scales with it."""
-    return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes}} for a in t1]
+    """Scripted rounds on a machine whose slowdown is t1[r] / 1e-3: every cost scales with it (the draft
+    model's loop drafts 0.3 + 0.2 per level + 0.01 per node, the calibration's chain of 4 among them)."""
+    shapes = {(QSHAPE, "loop"): 1.14, (QSHAPE, "chain1"): 0.51, (QSHAPE, "star8"): 0.58,
+              (QSHAPE, "fan4"): 0.8}
+    return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes},
+             **{k: r * a for k, r in shapes.items()}} for a in t1]
 
 
 def _script(monkeypatch, *series: list[float]) -> list[int]:
@@ -94,6 +98,10 @@ def test_task_calibrate_reports_a_profile_it_did_not_cache(run_config, cache, mo
     assert not res.path.exists() and (tmp_path / "run" / "profile.json").is_file()
 
 
+SHAPES = (("loop", [1] * 4, 4, 0.8), ("chain1", [1], 1, 0.35), ("star8", [1], 8, 0.42),  # the loop's draft
+          ("fan4", [1, 4], 8, 0.6))  # per tree shape
+
+
 def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profile:
     """A profile of ``cfg`` with t(1) = ``t1`` saved in the cache (ratios as a real one has)."""
     ratios = {1: 1.0, 2: 1.02, 4: 1.05, 5: 1.06, 8: 1.1}
@@ -102,7 +110,9 @@ def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profi
                    key=calibrate_module.profile_key(cfg), verify_overhead_ratio=0.1,
                    timing_dispersion={"t1": 0.02},
                    extra={"verify_step_ratios": {"0": 0.02, "8": 0.05},
-                          "loop_verify_sizes": {"5": 40}})  # as a current calibration has
+                          "loop_verify_sizes": {"5": 40},  # as a current calibration has
+                          "draft_shape_ratios": [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
+                                                  "ratio": r} for s, fed, n, r in SHAPES]})
     save_profile(prof, profile_path(cfg))
     return prof
 

@@ -11,6 +11,7 @@ from specsim import (
     IIDAcceptance,
     MeasuredCost,
     ModelShape,
+    PositionalAcceptance,
     Roofline,
     Tree,
     chain_expected_tokens,
@@ -178,3 +179,39 @@ def test_a_dynamic_tree_drafts_every_level_it_expands_whatever_it_keeps():
         assert cost.draft_time(Tree.chain(0)) == 0.0  # nothing drafted
     cfg.tree = TreeConfig(name="kary", kind=TreeKind.kary, k=2, depth=2)
     assert CostModel.from_config(cfg, profile=FLAT).draft_time(kept) == pytest.approx(2 * 0.1)
+
+
+def test_the_draft_pays_a_constant_per_step_and_a_cost_per_node():
+    """F + the levels + b per drafted node (calibrated from the drafter's loop on several tree shapes): a
+    2-level tree of 8 nodes pays the constant once and b eight times; the root alone drafts nothing."""
+    levels = MeasuredCost.from_mapping({1: 0.2, 2: 0.3, 4: 0.5})
+    cost = DraftCost(model=levels, fed_width=True, fixed_ratio=0.4, node_ratio=0.02)
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [2, 0]])  # fed 1, then 3
+    t1 = 2.0
+    assert cost.time(tree, t1) == pytest.approx(0.2 + float(levels.time(3)) + (0.4 + 0.02 * 8) * t1)
+    assert cost.time(Tree.chain(1), t1) == pytest.approx(0.2 + (0.4 + 0.02) * t1)
+    assert cost.time(Tree.chain(0), t1) == 0.0
+    assert cost.per_node(t1) == pytest.approx(0.04)
+    cfg = RunConfig(method=MethodConfig(name="eagle", draft_cost_ratio=0.1, draft_node_ratio=0.05))
+    assert CostModel.from_config(cfg, profile=FLAT).draft_time(Tree.kary(8, 1)) == pytest.approx(0.1 + 0.4)
+
+
+def test_sequoia_selection_pays_the_drafts_cost_per_node():
+    """Sequoia's hardware-aware choice charges each budget its drafted nodes' cost, as the step is priced:
+    the chosen tree's time per token is its step time over its k̄, and a dear node shrinks the tree."""
+    from specsim.config import TreeConfig, TreeKind
+    from specsim.trees import build_tree, sequoia_choice
+
+    vector = [0.0, 0.7, 0.15, 0.05, 0.03, 0.02, 0.05]
+    tree_cfg = TreeConfig(kind=TreeKind.sequoia, budgets=[1, 2, 4, 8, 16, 32, 64], max_levels=6)
+    target = MeasuredCost((1, 64), (1.0, 1.3))
+    sizes = []
+    for node in (0.0, 0.03):
+        cost = CostModel(target, DraftCost(ratio=0.05, fixed_ratio=0.1, node_ratio=node))
+        choice = sequoia_choice(tree_cfg, PositionalAcceptance(tuple(vector)), cost)
+        tree = build_tree(tree_cfg, PositionalAcceptance(tuple(vector)), cost)
+        assert tree.parents == choice.tree.parents
+        k = expected_tokens(tree, vector)
+        assert choice.time_per_token == pytest.approx(cost.step_time(tree) / k)
+        sizes.append(tree.size)
+    assert sizes[1] < sizes[0]
