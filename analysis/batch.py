@@ -92,10 +92,15 @@ def terms_table(df: pd.DataFrame, batch: str = BATCH) -> pd.DataFrame:
     return out[out[batch] > 1].sort_values(["method", batch]) if len(out) else out
 
 
-def measured_break_even(table: pd.DataFrame, method: str, batch: str = BATCH) -> float | None:
-    """B* of the measured means (first crossing of 1 going down, interpolated in log B; None: never)."""
-    sub = table[table["method"] == method].dropna(subset=["speedup"])
-    return first_loss(sub["speedup"].tolist(), sub[batch].astype(int).tolist()) if len(sub) else None
+def measured_break_even(table: pd.DataFrame, method: str, batch: str = BATCH, column: str = "speedup"
+                        ) -> float | None:
+    """B* of the measured means (first crossing of 1 going down, interpolated in log B; None: never);
+    ``column``: which speedup (``speedup``: with the prompts' prefill; ``decode_speedup``; the runs' own
+    prediction of it, ``predicted_decode_at_batch``)."""
+    if column not in table:
+        return None
+    sub = table[table["method"] == method].dropna(subset=[column])
+    return first_loss(sub[column].tolist(), sub[batch].astype(int).tolist()) if len(sub) else None
 
 
 def speedup_vs_batch(df: pd.DataFrame, methods: Sequence[str] | None = None,

@@ -134,7 +134,13 @@ def compare(sweep: str, prediction: pd.DataFrame, plot: str | None) -> None:
         measured = measured_break_even(table, method)
         top = int(sub.index.max())
         reached = f"{measured:.1f}" if measured is not None else f"not reached up to B = {top}"
-        print(f"  B* measured {reached}, predicted {_fmt_b(prediction['break_even_batch'].iloc[0])}")
+        steady = _fmt_b(prediction["break_even_batch"].iloc[0])
+        print(f"  B* measured {reached}, predicted {steady} (steady state: every step at B rows)")
+        dec, pdec = (measured_break_even(table, method, column=c)
+                     for c in ("decode_speedup", "predicted_decode_at_batch"))
+        dec, pdec = ("not reached" if b is None else f"{b:.1f}" for b in (dec, pdec))
+        print(f"  B* of the decode speedup: measured {dec}, the runs' predicted (their length, static "
+              f"batch) {pdec}")
     terms(df)
     if plot:
         paths = save(speedup_vs_batch(df, prediction=prediction), plot)

@@ -63,6 +63,10 @@ def test_batch_table_and_measured_break_even(tmp_path, with_predictions):
     b_star = measured_break_even(table, "vanilla")
     assert b_star == pytest.approx(TRUE_B_STAR, rel=0.1)
     assert measured_break_even(table, "autoregressive") is None  # S = 1 never falls below 1
+    # another column: the same crossing read off a column scaled by 1.2 moves later; a missing column: None
+    scaled = table.assign(other=table["speedup"] * 1.2)
+    assert measured_break_even(scaled, "vanilla", column="other") > b_star * 1.5
+    assert measured_break_even(table, "vanilla", column="no_such_column") is None
 
 
 def _vlines(ax) -> dict[str, float]:
