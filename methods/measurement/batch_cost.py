@@ -394,12 +394,17 @@ def save_batch_fit(fit: BatchFit, path: Path, grid: dict[tuple[int, ...], float]
 def load_batch_fit(cfg: RunConfig, cache: Path | None = None, role: str = "target") -> BatchFit | None:
     """The stored fit of ``cfg``'s device and model (``role``: its target's or its draft model's forward),
     or None (none yet, unreadable, older format)."""
-    path = batch_profile_path(cfg, cache, role)
+    return _load_stored(batch_profile_path(cfg, cache, role), "fit", BatchFit)
+
+
+def _load_stored(path: Path, key: str, kind: Any) -> Any:
+    """``kind.from_json(doc[key])`` of the stored document at ``path``, or None (none yet, unreadable, older
+    format)."""
     if not path.is_file():
         return None
     try:
         doc = read_json(path)
-        return BatchFit.from_json(doc["fit"]) if doc.get("format") == BATCH_FIT_FORMAT else None
+        return kind.from_json(doc[key]) if doc.get("format") == BATCH_FIT_FORMAT else None
     except (ValueError, TypeError, KeyError):
         return None
 
@@ -429,14 +434,7 @@ def calibrate_head(cfg: RunConfig, target: Any, drafter: Any, levels: int, texts
 
 def load_head_fit(cfg: RunConfig, cache: Path | None = None) -> HeadFit | None:
     """The stored head step of ``cfg``'s method on this device (:func:`calibrate_head`), or None."""
-    path = batch_profile_path(cfg, cache, "head")
-    if not path.is_file():
-        return None
-    try:
-        doc = read_json(path)
-        return HeadFit.from_json(doc["head"]) if doc.get("format") == BATCH_FIT_FORMAT else None
-    except (ValueError, TypeError, KeyError):
-        return None
+    return _load_stored(batch_profile_path(cfg, cache, "head"), "head", HeadFit)
 
 
 def calibrate_batch(cfg: RunConfig, model: Any, contexts: Sequence[int],
