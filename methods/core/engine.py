@@ -94,7 +94,7 @@ class BufferLayer(DynamicLayer):
 
     def __init__(self, capacity: int, store: torch.dtype | None = None):
         """``store``: the buffers' dtype where it is not the written states' (a bf16 cache under float32
-        attention, ``batch_engine.cache_dtype``)."""
+        attention, ``mixed_attention.cache_dtype``)."""
         super().__init__()
         self.capacity = capacity
         self.store = store

@@ -354,11 +354,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
               scale: float, gqa: bool) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (rows, Hq, m, D), keys/values (rows, Hkv, W, D), mask (rows, 1,
     m, W) additive or None (attend to everything). Keys/values in a reduced dtype under float32 queries (the
-    batched engine's bf16 cache, ``batch_engine.cache_dtype``): methods.core.mixed_attention for short
+    engines' bf16 cache, ``mixed_attention.cache_dtype``): methods.core.mixed_attention for short
     forwards, upcast for long ones. The mask's contract (every engine's): new node i (0-based among the m)
     attends to no key column past W - m + i — its own slot, nodes are appended in an order where parents
     precede children — so the blocked path skips columns that are masked anyway."""
-    if keys.dtype != q.dtype:  # a reduced-precision cache under float32 attention (batch_engine.cache_dtype)
+    if keys.dtype != q.dtype:  # a reduced-precision cache under float32 attention (cache_dtype)
         if q.shape[2] < BLOCKED_MIN_ROWS:
             return mixed_attention(q, keys, values, mask, scale)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a prefill: once per forward, then as below
