@@ -59,19 +59,30 @@ def rows(names: list[str] | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def _magicdec_cost(d: dict[str, Any]) -> Any:
-    """MagicDec's batch cost model: the target on its hardware, tensor parallel over ``tp`` GPUs
-    (specsim.batch)."""
+def _magicdec_cost(d: dict[str, Any], model: str | None = None) -> Any:
+    """MagicDec's batch cost model: the target (``model``, else the yaml's sweep model) on its hardware,
+    tensor parallel over ``tp`` GPUs (specsim.batch)."""
     from dataclasses import replace
 
     from run import compose_run_config
     from specsim.batch import BatchRoofline
     from specsim.cost import ModelShape
 
-    cfg = compose_run_config(f"model={d['model']}", f"hardware={d['hardware']}", "task=simulate")
+    cfg = compose_run_config(f"model={model or d['model']}", f"hardware={d['hardware']}", "task=simulate")
     hw = cfg.hardware
     return replace(BatchRoofline.from_config(hw, ModelShape.target(cfg.model), 0), tp=int(d["tp"]),
                    link=d["nvlink_gbs"] * 1e9, memory_bytes=hw.memory_gb * 1e9)
+
+
+def _magicdec_latency(d: dict[str, Any], cost: Any, latency: bool = True) -> float:
+    """The per-forward all-reduce latency of the yaml's ``all_reduce`` block (0 with ``latency`` off)."""
+    from specsim.magicdec import collective_latency_s
+
+    ar = d.get("all_reduce")
+    if not latency or not ar:
+        return 0.0
+    return collective_latency_s(cost.model.n_layers, float(ar["latency_us"]), int(ar["per_layer"]),
+                                int(ar["fixed"]))
 
 
 def alpha_reaching(speedup_of: Any, target: float, steps: int = 40) -> float:
@@ -86,18 +97,40 @@ def alpha_reaching(speedup_of: Any, target: float, steps: int = 40) -> float:
     return round(0.5 * (lo + hi), 3)
 
 
-def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[str, Any]]:
-    """MagicDec's speedup vs batch size per (context, α) on its 8-GPU tensor-parallel setting
-    (specsim.magicdec), NaN where the batch's KV cache does not fit; and per context the α at which the best
-    batch reaches the published maximum. A sweep: this model's acceptance is not published (the yaml)."""
+def fixed_reaching(speedup_of: Any, target: float, hi: float = 0.2, steps: int = 50) -> float:
+    """The extra seconds per forward x in [0, ``hi``] at which ``speedup_of(x)`` (falling in x) comes down to
+    ``target`` (bisection): a diagnostic of how much per-forward time a miss leaves unexplained, never an
+    input. 0 where the prediction is already at or below the target, NaN past ``hi``."""
+    if speedup_of(0.0) <= target:
+        return 0.0
+    if speedup_of(hi) > target:
+        return math.nan
+    lo = 0.0
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if speedup_of(mid) > target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+MAGICDEC = PUBLISHED / "batch" / "magicdec.yaml"
+
+
+def magicdec(path: Path = MAGICDEC, latency: bool = True) -> list[dict[str, Any]]:
+    """MagicDec's speedup vs batch size per (context, α) for the sweep model on its 8-GPU tensor-parallel
+    setting (specsim.magicdec), NaN where the batch's KV cache does not fit; and per context the α at which
+    the best batch reaches the published maximum. A sweep: this model's acceptance is not published (the
+    yaml)."""
     from specsim.magicdec import self_spec_speedup
 
     d = load_yaml(path)
     cost = _magicdec_cost(d)
+    f = _magicdec_latency(d, cost, latency)
+
+    def speedup(b: int, context: int, alpha: float) -> float:
+        return self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha, f)
 
     def best(context: int, alpha: float) -> float:
-        return max(self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha)
-                   for b in d["batches"] if cost.fits(b, context))
+        return max(speedup(b, context, alpha) for b in d["batches"] if cost.fits(b, context))
 
     out = []
     for context in d["contexts"]:
@@ -105,32 +138,40 @@ def magicdec(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[st
         for alpha in d["alphas"]:
             row = {"context": context, "alpha": alpha, "alpha_for_published": needed}
             for b in d["batches"]:
-                fits = cost.fits(b, context)
-                row[f"B={b}"] = self_spec_speedup(cost, b, context, d["budget"], d["gamma"], alpha) \
-                    if fits else math.nan
+                row[f"B={b}"] = speedup(b, context, alpha) if cost.fits(b, context) else math.nan
             out.append(row)
     return out
 
 
-def magicdec_rows(path: Path = PUBLISHED / "batch" / "magicdec.yaml") -> list[dict[str, Any]]:
-    """The published per-batch speedups (the yaml's ``rows``) beside the prediction at the stand-in α for the
-    row's context, with the error, and the α the published speedup needs on this cost model."""
+def magicdec_rows(path: Path = MAGICDEC, latency: bool = True) -> list[dict[str, Any]]:
+    """The published per-batch speedups (the yaml's ``rows``) beside the prediction at the row's α (its
+    target's own published one, or a stand-in: the yaml's ``targets``), with the error, the prediction
+    without the all-reduce latency, and the α the published speedup needs on this cost model."""
     from specsim.magicdec import self_spec_speedup
 
     d = load_yaml(path)
-    cost = _magicdec_cost(d)
     out = []
     for r in d["rows"]:
+        model = r.get("model", d["model"])
+        cost = _magicdec_cost(d, model)
+        f = _magicdec_latency(d, cost, latency)
         ctx, b, g = int(r["context"]), int(r["batch"]), int(r["gamma"])
         assert cost.fits(b, ctx), f"MagicDec row {r} does not fit the modelled memory"
-        alpha = float(d["stand_in_alpha"][ctx])
-        def speedup_at(a: float, b: int = b, ctx: int = ctx, g: int = g) -> float:
-            return self_spec_speedup(cost, b, ctx, d["budget"], g, a)
+        target = d["targets"][model]
+        alpha = float(target["alpha"][ctx])
+
+        def speedup_at(a: float, b: int = b, ctx: int = ctx, g: int = g, f: float = f,
+                       cost: Any = cost) -> float:
+            return self_spec_speedup(cost, b, ctx, d["budget"], g, a, f)
 
         published, pred = float(r["speedup"]), speedup_at(alpha)
-        out.append({"context": ctx, "batch": b, "gamma": g, "published": published, "stand_in_alpha": alpha,
-                    "predicted": pred, "error": (pred - published) / published,
-                    "alpha_for_published": alpha_reaching(speedup_at, published)})
+        out.append({"model": model, "context": ctx, "batch": b, "gamma": g, "published": published,
+                    "alpha": alpha, "alpha_source": target["alpha_source"], "predicted": pred,
+                    "error": (pred - published) / published,
+                    "no_latency": speedup_at(alpha, f=0.0),
+                    "alpha_for_published": alpha_reaching(speedup_at, published),
+                    "extra_ms_for_published": 1e3 * fixed_reaching(
+                        lambda x, a=alpha, f0=f: speedup_at(a, f=f0 + x), published)})
     return out
 
 

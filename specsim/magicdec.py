@@ -4,9 +4,11 @@ draft that keeps a fixed sparse KV budget K (StreamingLLM) stays cheap while B·
 
 Priced with the one batch cost model, specsim.batch.BatchRoofline t(B, n) (weights once per forward, B rows
 of KV, B·n tokens of GEMM and attention FLOPs, tensor parallelism over ``tp`` GPUs with its ring
-all-reduces); the draft is the same target over a context of K cached tokens:
+all-reduces by bandwidth); the draft is the same target over a context of K cached tokens. Each forward may
+also pay a fixed ``per_forward_s`` (the all-reduces' own latency, :func:`collective_latency_s`), which weighs
+most at small batch:
 
-    S(B) = τ(α, γ) · t(B, 1; L) / (γ · t(B, 1; K) + t(B, γ + 1; L))     (chain of γ, i.i.d. α, Leviathan)
+    S(B) = τ(α, γ) · (t(B, 1; L) + f) / (γ · (t(B, 1; K) + f) + t(B, γ + 1; L) + f)   (chain of γ, i.i.d. α)
 """
 
 from __future__ import annotations
@@ -15,11 +17,21 @@ from specsim.batch import BatchRoofline
 from specsim.expected import chain_expected_tokens
 
 
+def collective_latency_s(n_layers: int, latency_us: float, per_layer: int = 2, fixed: int = 0) -> float:
+    """Seconds of all-reduce latency one tensor-parallel forward pays beyond its bytes: ``per_layer`` calls
+    per decoder layer (after the attention output and after the MLP) plus ``fixed`` more (a vocab-parallel
+    argmax), each ``latency_us``."""
+    assert n_layers >= 0 and per_layer >= 0 and fixed >= 0 and latency_us >= 0, "counts and latency >= 0"
+    return (per_layer * n_layers + fixed) * latency_us * 1e-6
+
+
 def self_spec_speedup(cost: BatchRoofline, batch: int, context: int, budget: int, gamma: int,
-                      alpha: float) -> float:
+                      alpha: float, per_forward_s: float = 0.0) -> float:
     """S(B) of MagicDec's self-speculation: the target drafts γ tokens over a KV budget of ``budget`` tokens
-    (StreamingLLM: sink + window) and verifies γ + 1 over its full ``context``."""
+    (StreamingLLM: sink + window) and verifies γ + 1 over its full ``context``; every forward (the baseline's,
+    each draft's and the verification) adds ``per_forward_s``."""
     full, sparse = cost.at_context(context), cost.at_context(budget)
     tau = float(chain_expected_tokens(alpha, gamma))
-    step = gamma * sparse.time(batch, 1) + full.time(batch, gamma + 1)
-    return tau * full.time(batch, 1) / step
+    f = float(per_forward_s)
+    step = gamma * (sparse.time(batch, 1) + f) + full.time(batch, gamma + 1) + f
+    return tau * (full.time(batch, 1) + f) / step

@@ -12,8 +12,12 @@ datasheets, not from any paper's speedup:
 
 ``kernels`` counts one forward's kernels (``KernelCount``: per decoder layer and fixed), the tree attention
 mask adds n · (context + n) half-precision entries read per layer, and a speculation step adds the accepted
-path's KV gather (two copies per layer) plus a fixed number of bookkeeping kernels (candidates, tree mask,
-posterior), all issued at the runtime's per-kernel host price. Inputs: conf/published/runtimes.yaml.
+path's KV gather (two copies per layer unless a framework's count is given) plus a fixed number of
+bookkeeping kernels (candidates, tree mask, posterior), all issued at the runtime's per-kernel host price,
+and its host-device synchronisations (``.item()``, a tensor used as an index). Opt-in per paper (Medusa's
+reference code, read): eager attention that materialises the scores, ``score_bytes`` per score entry per
+head over its passes (:func:`eager_score_bytes`), and draft heads run on every tree position (``tokens``).
+Inputs: conf/published/runtimes.yaml and the paper's file.
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ class Runtime:
     host_us_per_kernel: float
     kernel_floor_us: float  # device time of a kernel with (almost) no work: launch gap + ramp
     graph_launch_us: float = 0.0
+    sync_us: float = 0.0  # a host-device synchronisation beyond a launch (the host waits for the stream)
 
     def __post_init__(self) -> None:
-        assert self.host_us_per_kernel >= 0 and self.kernel_floor_us >= 0 and self.graph_launch_us >= 0, \
+        assert min(self.host_us_per_kernel, self.kernel_floor_us, self.graph_launch_us, self.sync_us) >= 0, \
             f"runtime {self.name}: per-kernel costs must be >= 0"
 
     @classmethod
     def from_mapping(cls, name: str, m: Mapping[str, Any]) -> Runtime:
         return cls(name, bool(m["graph"]), float(m["host_us_per_kernel"]), float(m["kernel_floor_us"]),
-                   float(m.get("graph_launch_us", 0.0)))
+                   float(m.get("graph_launch_us", 0.0)), float(m.get("sync_us", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,22 @@ class KernelCount:
         return self.per_layer * n_layers + self.fixed
 
 
+def eager_score_bytes(score_bytes: int = 2, softmax_bytes: int = 4) -> int:
+    """Bytes moved per attention-score entry per head by an eager (unfused) attention that upcasts the mask
+    and the softmax: QKᵀ written (s), scaled (read s, write s), the float32 mask added (read s, write
+    softmax_bytes), softmax in float32 (read and write softmax_bytes), cast back (read softmax_bytes, write
+    s), read by the PV product (s). Medusa's modeling_llama_kv.py: 2 + 4 + 6 + 8 + 6 + 2 = 28 bytes."""
+    s, f = score_bytes, softmax_bytes
+    return s + 2 * s + (s + f) + 2 * f + (f + s) + s
+
+
 @dataclass(frozen=True)
 class LaunchBound:
     """A TargetCost: ``base`` (a roofline without its own fixed overhead) plus the launch model above and the
-    tree attention mask (``mask_layers`` layers each read an n × (context + n) mask of 2-byte entries)."""
+    tree attention mask (``mask_layers`` layers each read an n × (context + n) mask of 2-byte entries).
+    Opt-in: ``score_heads`` heads per mask layer materialise their n × (context + n) scores, ``score_bytes``
+    each (eager attention, :func:`eager_score_bytes`); ``tokens`` > 0 prices every call at that many tokens
+    (draft heads run on every tree position whatever the draft step asks)."""
 
     base: TargetCost
     kernels: int
@@ -71,10 +88,16 @@ class LaunchBound:
     context_tokens: int = 0
     mask_layers: int = 0
     source: str = "roofline+launch"
+    score_heads: int = 0
+    score_bytes: float = 0.0
+    tokens: int = 0
 
     def device(self, n: int | np.ndarray) -> np.ndarray:
         n = np.asarray(n, dtype=float)
-        mask = 2.0 * n * (self.context_tokens + n) * self.mask_layers * (n > 1) / self.bandwidth
+        if self.tokens > 0:
+            n = np.full_like(n, float(self.tokens))
+        entries = n * (self.context_tokens + n) * self.mask_layers * (n > 1)
+        mask = (2.0 + self.score_bytes * self.score_heads) * entries / self.bandwidth
         return np.asarray(self.base.time(n)) + self.kernels * self.runtime.kernel_floor_us * 1e-6 + mask
 
     def time(self, n: int | np.ndarray) -> float | np.ndarray:
@@ -87,15 +110,17 @@ class LaunchBound:
         return float(t) if np.ndim(t) == 0 else t
 
 
-def step_overhead_s(runtime: Runtime, n_layers: int, fixed_kernels: int) -> float:
-    """Host time of a speculation step outside the forwards: the accepted path's K and V gathered per layer
-    (2 · layers copies, Sequoia's gather_kv / Medusa's update of the cache) plus ``fixed_kernels`` (draft
-    candidates, the tree mask and positions, the posterior's argmax/compare/cumprod). Issued eagerly by every
-    framework in these papers; under a graph runtime only the launch of each kernel's floor remains."""
-    kernels = 2 * n_layers + fixed_kernels
+def step_overhead_s(runtime: Runtime, n_layers: int, fixed_kernels: int, gather_kernels: int | None = None,
+                    syncs: int = 0) -> float:
+    """Host time of a speculation step outside the forwards: the accepted path's K and V gathered
+    (``gather_kernels``; None = 2 · layers copies, Sequoia's gather_kv per layer) plus ``fixed_kernels``
+    (draft candidates, the tree mask and positions, the posterior's argmax/compare/cumprod), and ``syncs``
+    host-device synchronisations at the runtime's ``sync_us``. Issued eagerly by every framework in these
+    papers; under a graph runtime only the launch of each kernel's floor remains."""
+    kernels = (2 * n_layers if gather_kernels is None else gather_kernels) + fixed_kernels
     r = runtime
     per = r.kernel_floor_us if r.graph else max(r.host_us_per_kernel, r.kernel_floor_us)
-    return kernels * per * 1e-6
+    return (kernels * per + syncs * r.sync_us) * 1e-6
 
 
 def head_shape(hidden: int, vocab: int, *, layers: int = 0, intermediate: int = 0, extra_params: float = 0.0,

@@ -41,11 +41,19 @@ class Setting:
     head_kernels: int = 0  # kernels of one head pass beyond its decoder layers (eagle) / per head (medusa)
     medusa_heads: int = 0
     tau: float | None = None  # published acceptance length: α is solved from it
+    # opt-in per paper, counted from its reference code (defaults: the generic model above)
+    score_bytes: float = 0.0  # eager attention: bytes per score entry per head (overheads.eager_score_bytes)
+    head_tokens: int = 0  # the draft heads run on this many tokens per step (Medusa: every tree position)
+    gather_kernels: int | None = None  # kernels of the accepted path's KV gather (None: 2 per layer)
+    step_syncs: int = 0  # host-device synchronisations per step outside the forwards
 
     def __post_init__(self) -> None:
         assert self.draft in DRAFT_KINDS, f"draft must be one of {DRAFT_KINDS}, got {self.draft!r}"
         assert self.draft != "medusa_heads" or self.medusa_heads >= 1, "medusa_heads needs >= 1 head"
         assert self.tau is None or self.tau >= 1, f"τ counts the bonus token: >= 1, got {self.tau}"
+        assert self.score_bytes >= 0 and self.head_tokens >= 0 and self.step_syncs >= 0, \
+            "score_bytes, head_tokens and step_syncs are >= 0"
+        assert self.gather_kernels is None or self.gather_kernels >= 0, "gather_kernels >= 0"
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ def cost_model(cfg: RunConfig, s: Setting) -> CostModel:
     """The target's roofline + launch model, the draft as the paper runs it, and the step's bookkeeping."""
     hw, m, ctx = cfg.hardware, cfg.model, cfg.workload.context_tokens
     target = _launch(hw, ModelShape.target(m), s.target_runtime, s.kernels.of(m.n_layers), ctx)
+    if s.score_bytes:  # eager attention materialises every head's scores over the tree
+        target = replace(target, score_heads=m.n_heads, score_bytes=s.score_bytes)
     resident = replace(hw, offload=False)  # drafts and heads stay in device memory
     if s.draft == "model":
         draft = _launch(resident, ModelShape.draft(m), s.draft_runtime, s.kernels.of(m.draft_n_layers), ctx)
@@ -87,9 +97,10 @@ def cost_model(cfg: RunConfig, s: Setting) -> CostModel:
     else:  # Medusa-1: K heads, each a ResBlock (h²) and its own LM head, in one pass over the last state
         k = s.medusa_heads
         shape = head_shape(m.hidden_size, m.vocab_size, lm_heads=k, extra_params=k * m.hidden_size**2)
-        draft = replace(_launch(resident, shape, s.draft_runtime, k * s.head_kernels, 0), mask_layers=0)
+        draft = replace(_launch(resident, shape, s.draft_runtime, k * s.head_kernels, 0), mask_layers=0,
+                        tokens=s.head_tokens)
     t1 = float(target.time(1))
-    step = step_overhead_s(s.target_runtime, m.n_layers, s.step_fixed_kernels)
+    step = step_overhead_s(s.target_runtime, m.n_layers, s.step_fixed_kernels, s.gather_kernels, s.step_syncs)
     one_pass = s.draft == "medusa_heads"
     return CostModel(target, DraftCost(fixed_ratio=step / t1, one_pass=one_pass, model=draft))
 
@@ -143,11 +154,15 @@ def setting_from(paper: Mapping[str, Any], runtimes: Mapping[str, Any], row: Map
         target_runtime=Runtime.from_mapping(merged["target_runtime"], rt[merged["target_runtime"]]),
         draft_runtime=Runtime.from_mapping(merged["draft_runtime"], rt[merged["draft_runtime"]]),
         kernels=KernelCount(int(k["per_layer"]), int(k["fixed"])),
-        step_fixed_kernels=int(runtimes["step_fixed_kernels"]),
+        step_fixed_kernels=int(merged.get("step_fixed_kernels", runtimes["step_fixed_kernels"])),
         draft=merged.get("draft", "model"),
         head_kernels=int(merged.get("head_kernels", 0)),
         medusa_heads=int(merged.get("medusa_heads", 0)),
         tau=float(tau) if tau is not None else None,
+        score_bytes=float(merged.get("score_bytes", 0.0)),
+        head_tokens=int(merged.get("head_tokens", 0)),
+        gather_kernels=int(merged["gather_kernels"]) if merged.get("gather_kernels") is not None else None,
+        step_syncs=int(merged.get("step_syncs", 0)),
     )
 
 

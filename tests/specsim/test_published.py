@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsim import IIDAcceptance, MeasuredCost, Tree, chain_expected_tokens, expected_tokens
-from specsim.overheads import KernelCount, LaunchBound, Runtime, head_shape, step_overhead_s
+from specsim.overheads import (
+    KernelCount,
+    LaunchBound,
+    Runtime,
+    eager_score_bytes,
+    head_shape,
+    step_overhead_s,
+)
 from specsim.published import markdown, misses, relative_error, setting_from, solve_alpha, table_row
 
 FLAT = MeasuredCost((1,), (1e-3,))  # a 1 ms forward whatever n
@@ -48,6 +55,50 @@ def test_tree_mask_costs_bytes_over_bandwidth_and_only_for_trees():
 def test_step_overhead_counts_kv_gathers_and_bookkeeping():
     assert step_overhead_s(EAGER, n_layers=32, fixed_kernels=30) == pytest.approx((64 + 30) * 10e-6)
     assert step_overhead_s(GRAPH, n_layers=32, fixed_kernels=30) == pytest.approx((64 + 30) * 2e-6)
+
+
+def test_step_overhead_takes_a_framework_gather_count_and_prices_syncs():
+    r = Runtime("eager", graph=False, host_us_per_kernel=10.0, kernel_floor_us=2.0, sync_us=6.0)
+    assert step_overhead_s(r, n_layers=32, fixed_kernels=46, gather_kernels=2, syncs=10) == pytest.approx(
+        (2 + 46) * 10e-6 + 10 * 6e-6)
+    assert step_overhead_s(r, 32, 30) == pytest.approx((64 + 30) * 10e-6)  # defaults: 2 per layer, no sync
+    assert step_overhead_s(EAGER, 32, 30, syncs=5) == step_overhead_s(EAGER, 32, 30)  # sync_us 0: unpriced
+
+
+def test_runtime_reads_sync_us_and_refuses_negative_costs():
+    r = Runtime.from_mapping("e", {"graph": False, "host_us_per_kernel": 7.5, "kernel_floor_us": 2.9,
+                                   "sync_us": 5.8})
+    assert r.sync_us == 5.8
+    plain = Runtime.from_mapping("e", {"graph": False, "host_us_per_kernel": 7.5, "kernel_floor_us": 2.9})
+    assert plain.sync_us == 0
+    with pytest.raises(AssertionError):
+        Runtime("bad", graph=False, host_us_per_kernel=1.0, kernel_floor_us=1.0, sync_us=-1.0)
+
+
+def test_eager_score_bytes_counts_the_passes():
+    assert eager_score_bytes() == 28  # half-precision scores, float32 mask and softmax (Medusa's attention)
+    assert eager_score_bytes(2, 2) == 2 + 4 + 4 + 4 + 4 + 2  # all half precision
+    assert eager_score_bytes(4, 4) == 2 * eager_score_bytes(2, 2)
+
+
+def test_eager_scores_cost_bytes_per_head_over_bandwidth_and_only_for_trees():
+    bw, ctx, layers, heads = 1e9, 100, 4, 8
+    plain = LaunchBound(FLAT, kernels=0, runtime=GRAPH, bandwidth=bw, context_tokens=ctx, mask_layers=layers)
+    eager = LaunchBound(FLAT, kernels=0, runtime=GRAPH, bandwidth=bw, context_tokens=ctx, mask_layers=layers,
+                        score_heads=heads, score_bytes=28.0)
+    assert eager.time(1) == plain.time(1)  # one token: no tree, no scores priced
+    n = 16
+    assert eager.time(n) - plain.time(n) == pytest.approx(28.0 * heads * n * (ctx + n) * layers / bw)
+
+
+def test_heads_priced_at_a_fixed_token_count():
+    from specsim.cost import ModelShape, Roofline
+
+    shape = ModelShape(1e9, 2.0, 1, 4096, 32, 32)
+    base = Roofline(shape, bandwidth=1e9, flops=1e10, overhead_s=0.0, context_tokens=0)  # compute-bound at 64
+    lb = LaunchBound(base, kernels=0, runtime=GRAPH, bandwidth=1e9)
+    at64 = LaunchBound(base, kernels=0, runtime=GRAPH, bandwidth=1e9, tokens=64)
+    assert at64.time(1) == pytest.approx(lb.time(64)) and lb.time(64) > lb.time(1)
 
 
 def test_head_shape_counts_its_parameters():
@@ -97,6 +148,19 @@ def test_setting_from_merges_paper_and_row_and_reads_tau_only_when_asked():
     assert (s.draft, s.head_kernels, s.tau) == ("eagle_head", 10, 4.0)
     assert s.target_runtime.name == "eager" and not s.target_runtime.graph and s.draft_runtime.graph
     assert setting_from(paper, RUNTIMES, {"id": "r", "published": {"tau": 4.0}}).tau is None
+
+
+def test_setting_reads_the_opt_in_step_terms_and_defaults_to_the_generic_model():
+    paper = {"setting": {"target_runtime": "eager", "draft_runtime": "eager", "draft": "medusa_heads",
+                         "medusa_heads": 4, "head_kernels": 4, "head_tokens": 64, "step_fixed_kernels": 46,
+                         "gather_kernels": 2, "step_syncs": 10, "score_bytes": 28}}
+    s = setting_from(paper, RUNTIMES, {"id": "r", "published": {}})
+    assert (s.head_tokens, s.step_fixed_kernels, s.gather_kernels, s.step_syncs, s.score_bytes) == (
+        64, 46, 2, 10, 28.0)
+    plain = setting_from({"setting": {"target_runtime": "eager", "draft_runtime": "eager"}}, RUNTIMES,
+                         {"id": "r", "published": {}})
+    assert (plain.head_tokens, plain.step_fixed_kernels, plain.gather_kernels, plain.step_syncs,
+            plain.score_bytes) == (0, 30, None, 0, 0.0)
 
 
 def test_table_row_markdown_and_misses():
@@ -151,6 +215,28 @@ def test_one_batch_pricing_for_magicdec():
     want = tau * c.at_context(16000).time(8, 1) / (
         3 * c.at_context(256).time(8, 1) + c.at_context(16000).time(8, 4))
     assert self_spec_speedup(c, 8, 16000, budget=256, gamma=3, alpha=0.8) == pytest.approx(want)
+
+
+def test_collective_latency_counts_calls_per_layer_and_fixed():
+    from specsim.magicdec import collective_latency_s
+
+    assert collective_latency_s(32, 10.0, per_layer=2, fixed=2) == pytest.approx(66 * 10e-6)
+    assert collective_latency_s(32, 0.0) == 0.0
+    with pytest.raises(AssertionError):
+        collective_latency_s(32, -1.0)
+
+
+def test_a_per_forward_cost_lowers_self_speculation_most_at_small_batch():
+    """Each of the γ + 1 forwards of a step pays it, the baseline once per token: S falls, and falls most
+    where the forwards are cheap (small batch). At 0 the formula is the plain one."""
+    from specsim.magicdec import self_spec_speedup
+
+    c = _batch_cost(tp=8)
+    plain = [self_spec_speedup(c, b, 16000, 256, 3, 0.8) for b in (8, 128)]
+    paid = [self_spec_speedup(c, b, 16000, 256, 3, 0.8, per_forward_s=1e-3) for b in (8, 128)]
+    assert self_spec_speedup(c, 8, 16000, 256, 3, 0.8, per_forward_s=0.0) == plain[0]
+    assert all(p < q for p, q in zip(paid, plain))
+    assert paid[0] / plain[0] < paid[1] / plain[1]
 
 
 def test_sparse_kv_self_speculation_gains_with_batch_on_long_contexts():
