@@ -411,7 +411,8 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
     w = target.get_output_embeddings().weight
     # the target's dtype, with oneDNN-prepacked weights on CPU (bf16 packed: ~1.4x less time per draft level
     # than float32 unpacked, measured); float32 where packing is off or does not work (unpacked bf16 linears
-    # are no faster than float32 there). The head's K/V and attention are float32 either way (HeadCache).
+    # are no faster than float32 there). The attention is float32 either way; the K/V cache is in the head's
+    # bf16 / fp16 where the float32-accumulating kernel reads it (methods.heads.eagle.state.kv_cache_dtype).
     cpu = w.device.type == "cpu"
     dtype = torch.float32 if cpu and not (ep.pack and packing_works(w.dtype)) else w.dtype
     head = head.to(device=w.device, dtype=dtype).eval()

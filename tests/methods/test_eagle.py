@@ -584,3 +584,71 @@ def test_greedy_labels_train_q_on_the_targets_argmax(tiny_models, draft_vocab):
         cached = make_batch(feats, seq, torch.arange(2), lm, greedy_labels(feats, lm, chunk=1))
         assert cached.p_logits is None and torch.equal(cached.labels(), labels)
         torch.testing.assert_close(loss(head, cached, greedy), want)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_bf16_head_cache_attends_like_the_float32_one(tiny_models, variant, layers):
+    """A bf16 head stores its K/V in bf16 where the float32-accumulating kernel is built (kv_cache_dtype) and
+    attends through it: the keys and values are the float32 cache's (computed in bf16, exactly representable),
+    so the attention equals the float32 SDPA's to float32 summation order (tight tolerance); g then differs at
+    most where a float32 attention output rounds to another bf16 value before o_proj (one bf16 ulp, 2^-8
+    relative), and the chain's greedy drafts are the same. A float32 head keeps float32 K/V (exact path)."""
+    from methods.core import mixed_attention
+
+    head32 = _random_head(tiny_models.target, variant, layers)
+    assert HeadCache(head32).kv_dtype == torch.float32
+    head = _random_head(tiny_models.target, variant, layers).to(torch.bfloat16)
+    fast, ref = HeadCache(head), HeadCache(head, mixed_ok=False)
+    assert ref.kv_dtype == torch.float32
+    assert fast.kv_dtype == (torch.bfloat16 if mixed_attention.available() else torch.float32)
+    g = torch.Generator().manual_seed(7)
+    width = head.fc.in_features if variant == "eagle3" else head.cfg.hidden_size
+    h0 = head.fuse(torch.randn(30, width, generator=g).to(torch.bfloat16))
+    toks = torch.randint(0, 256, (30,), generator=g)
+    with torch.no_grad():
+        for c in (fast, ref):
+            c.append(h0[:20], toks[:20])
+            c.append(h0[20:], toks[20:])
+        torch.testing.assert_close(fast.last.float(), ref.last.float(), rtol=2e-2, atol=2e-2)
+        d = head.cfg.head_dim
+        q = torch.randn(1, head.cfg.num_heads, 3, d, generator=g)
+        mask = torch.zeros(3, 30)
+        mask[1, 5:] = float("-inf")
+        att = fast._attention(q, fast.k[:, :30].transpose(1, 2), fast.v[:, :30].transpose(1, 2), mask)
+        want = ref._attention(q, ref.k[:, :30].transpose(1, 2), ref.v[:, :30].transpose(1, 2), mask)
+        torch.testing.assert_close(att, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(fast.k[:, :30].float(), ref.k[:, :30])  # the same values, half the bytes
+        chains = []
+        for c in (fast, ref):
+            x, tok, out = c.last[None], [], []
+            for depth in range(1, 4):
+                tok.append(int(head.logits(x).float().argmax()))
+                x = c.feed(x, torch.tensor(tok[-1:]), depth, np.array([depth - 2]))
+                out.append(x)
+            chains.append((tok, out))
+            c.drop_pending()
+        assert chains[0][0] == chains[1][0]
+        for a, b in zip(chains[0][1], chains[1][1]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_batch_head_cache_rows_are_the_one_sequence_caches(tiny_models):
+    """BatchHeadCache keeps the one-sequence cache's K/V dtype (bf16 through the kernel for a bf16 head) and
+    gives every row the g that HeadCache gives it alone."""
+    head = _random_head(tiny_models.target).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    feats = [torch.randn(n, head.cfg.hidden_size, generator=g).to(torch.bfloat16) for n in (5, 9)]
+    toks = [torch.randint(0, 256, (f.shape[0],), generator=g) for f in feats]
+    fed = torch.randint(0, 256, (2, 2), generator=g)  # (row, node)
+    batch = BatchHeadCache(head, 2)
+    assert batch.kv_dtype == HeadCache(head).kv_dtype
+    with torch.no_grad():
+        batch.join(2)
+        batch.append([0, 1], feats, toks)
+        out = batch.feed(batch.last[:2, None].expand(2, 2, -1), fed, 1, np.full(2, -1))
+        for b in range(2):
+            one = HeadCache(head)
+            one.append(feats[b], toks[b])
+            torch.testing.assert_close(batch.last[b].float(), one.last.float(), rtol=2e-2, atol=2e-2)
+            got = one.feed(one.last.expand(2, -1), fed[b], 1, np.full(2, -1))
+            torch.testing.assert_close(out[b].float(), got.float(), rtol=2e-2, atol=2e-2)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from methods.core.fast_llama import pack_weight, packed_linear, packing_works
+from methods.core.mixed_attention import mixed_attention
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,15 @@ class EagleHead(nn.Module):
         (None = causal, S = T); residual + attention, then the MLP block."""
         c = self.cfg
         rep = c.num_heads // c.num_kv_heads
-        # the attention in k's dtype: the decode cache keeps K/V in float32, where CPU SDPA is several times
-        # faster than in bfloat16 (methods.core.fast_llama does the same for the target)
-        qt, kt, vt = q.transpose(1, 2).to(k.dtype), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, d)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv, S, d)
+        if k.dtype in (torch.bfloat16, torch.float16) and mask is not None:
+            # a decode cache in the head's reduced dtype (methods.heads.eagle.state.kv_cache_dtype): float32
+            # queries through the float32-accumulating kernel, as the target's engines attend
+            a = mixed_attention(q.transpose(1, 2).float(), kt, vt, mask.float(), c.head_dim ** -0.5)
+            return self.block(res, a.transpose(1, 2))
+        # else the attention in k's dtype: a float32 decode cache, where CPU SDPA is several times faster
+        # than in bfloat16 (methods.core.fast_llama does the same for the target), or the training's
+        qt = q.transpose(1, 2).to(k.dtype)  # (B, n, T, d)
         if rep > 1:
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
         m = None if mask is None else mask.to(qt.dtype)
