@@ -106,6 +106,8 @@ class Level:
     def _mask(self):
         cache, n = self.cache, self.n
         grown = grow_ancestors(cache.anc, self.parents)
+        if grown.all():  # every pending row visible (a chain's one row): no mask (HeadCache.feed)
+            return None
         mask = np.zeros((n, cache.length + n), dtype=np.float32)
         mask[:, cache.length:][~grown] = -np.inf
         return torch.from_numpy(mask)
@@ -177,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="rows fed at the level (a chain: 1; k-ary: k^d)")
     ap.add_argument("--children", type=int, default=2, help="top-k per row")
     ap.add_argument("--accepted", type=int, default=3, help="committed rows appended per step (catch-up)")
+    ap.add_argument("--extra-context", type=int, default=0,
+                    help="committed rows appended after the prompt's (random features): a longer context")
+    ap.add_argument("--dram-mib", type=int, default=256, help="buffer of the main-memory bandwidth test")
     ap.add_argument("overrides", nargs="*", help="run.py overrides (method=eagle|eagle3, model.dtype=...)")
     args = ap.parse_args(argv)
     import run
@@ -195,10 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     drafter.propose(DraftContext(ids, src[:-1], gen, max_new=64, features=src[:-1]))  # the prompt's rows
     cache = drafter.cache
-    level = Level(cache, args.rows, args.children)
     # the same rows in a float32 K/V cache (PyTorch's SDPA): the A/B of the reduced-precision head cache
     f32 = HeadCache(head, mixed_ok=False)
     f32.append(head.fuse(src[:-1].to(head.fc.weight.dtype)), ids[1:])
+    if args.extra_context:
+        g = torch.Generator().manual_seed(1)
+        more = torch.randn(args.extra_context, src.shape[-1], generator=g).to(head.fc.weight.dtype)
+        more_tokens = torch.randint(head.cfg.vocab_size, (args.extra_context,), generator=g)
+        for c in (cache, f32):
+            c.append(head.fuse(more), more_tokens)
+    level = Level(cache, args.rows, args.children)
     level32 = Level(f32, args.rows, args.children)
     ctx = DraftContext(ids, None, gen, max_new=64)
     p = head.fc.weight
@@ -234,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     tb = weight_bytes(models.target)
     bw_level = bandwidth(level_bytes, 30)["cpu"]["read_GBps"] * 1e9
     bw_target = bandwidth(tb, 30)["cpu"]["read_GBps"] * 1e9
+    bw_dram = bandwidth(args.dram_mib << 20, 5)["cpu"]["read_GBps"] * 1e9
     print(f"{cfg.method.name} ({head.cfg.variant}), target {cfg.model.dtype}, head {p.dtype}, K/V "
           f"{cache.kv_dtype}, {args.threads} thread(s), context {cache.length} committed rows, {args.rows} "
           f"row(s) fed, top-{args.children}; thread CPU time, median of {args.rounds} interleaved rounds x "
           f"{args.inner} calls")
     print(f"read bandwidth (physical_limit.bandwidth, CPU time): {bw_level / 1e9:.1f} GB/s at the level's "
-          f"{level_bytes / 1e6:.2f} MB, {bw_target / 1e9:.1f} GB/s at the target's {tb / 1e6:.2f} MB")
+          f"{level_bytes / 1e6:.2f} MB, {bw_target / 1e9:.1f} GB/s at the target's {tb / 1e6:.2f} MB, "
+          f"{bw_dram / 1e9:.1f} GB/s at {args.dram_mib} MiB (main memory)")
     print(f"  {'piece':40} {'ms':>7} {'t(1)':>6} {'MB':>6} {'floor ms':>8} {'x floor':>7}")
     parts = 0.0
     for k, m in med.items():
@@ -253,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sum of the level's pieces {parts * 1e3:.4f} ms = {parts / t1:.3f} t(1); the level whole "
           f"{whole * 1e3:.4f} ms = {whole / t1:.3f} t(1)")
     print(f"  floor of a level: {level_bytes / 1e6:.2f} MB / {bw_level / 1e9:.1f} GB/s = "
-          f"{floor * 1e3:.4f} ms = {floor / t1:.3f} t(1); the level is {whole / floor:.1f}x its floor")
+          f"{floor * 1e3:.4f} ms = {floor / t1:.3f} t(1); the level is {whole / floor:.1f}x its floor "
+          f"(from main memory: {level_bytes / bw_dram * 1e3:.4f} ms, {whole / (level_bytes / bw_dram):.1f}x)")
     print(f"  the target: {tb / 1e6:.2f} MB / {bw_target / 1e9:.1f} GB/s = {tb / bw_target * 1e3:.4f} ms; "
-          f"t(1) is {t1 / (tb / bw_target):.1f}x its floor; level/target bytes {level_bytes / tb:.3f}")
+          f"t(1) is {t1 / (tb / bw_target):.1f}x its floor (main memory: {tb / bw_dram * 1e3:.4f} ms, "
+          f"{t1 / (tb / bw_dram):.1f}x); level/target bytes {level_bytes / tb:.3f}, time {whole / t1:.3f}")
     w32 = med["A/B: level, float32 K/V (SDPA)"]
     print(f"  A/B K/V cache: level {w32 * 1e3:.4f} ms float32 -> {whole * 1e3:.4f} ms {cache.kv_dtype} "
           f"(x{whole / w32:.3f}); attention {med['A/B: attention, float32 K/V (SDPA)'] * 1e3:.4f} -> "

@@ -71,8 +71,10 @@ class HeadCache:
         """Commit rows: h (n, H) the head-space input (fused features), tokens (n,) = x_{i+1}."""
         self.drop_pending()
         L, n = self.length, h.shape[0]
-        mask = np.zeros((n, L + n), dtype=np.float32)  # causal over the new rows, everything committed before
-        mask[:, L:][np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+        mask = None  # one row sees every row: no mask
+        if n > 1:  # causal over the new rows, everything committed before
+            mask = np.zeros((n, L + n), dtype=np.float32)
+            mask[:, L:][np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
         g = self._rows(h, tokens, self._rope[L : L + n], mask)  # (n, H)
         self.length, self.last = L + n, g[-1]
 
@@ -83,13 +85,15 @@ class HeadCache:
         L, P, n = self.length, self.pending, h.shape[0]
         parents = parents.cpu().numpy() if torch.is_tensor(parents) else np.asarray(parents)
         grown = grow_ancestors(self.anc, parents)
-        mask = np.zeros((n, L + P + n), dtype=np.float32)  # committed rows visible; pending: ancestors only
-        mask[:, L:][~grown[P:]] = -np.inf
+        mask = None  # committed rows visible; pending: ancestors only (a chain's one row: all, no mask)
+        if not grown[P:].all():
+            mask = np.zeros((n, L + P + n), dtype=np.float32)
+            mask[:, L:][~grown[P:]] = -np.inf
         g = self._rows(h, tokens, self._rope[L - 1 + depth, None], mask)  # written after the P pending rows
         self.anc = grown
         return g
 
-    def _rows(self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: np.ndarray
+    def _rows(self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: np.ndarray | None
               ) -> torch.Tensor:
         """g (n, H) of rows h (n, H), tokens (n,) at the rotary rows ``rope`` ((n or 1, 2, 1, d)), written
         after the committed and pending K/V, attending them under the additive ``mask`` (n, all rows):
@@ -109,18 +113,20 @@ class HeadCache:
         at = self._write(qk[None, :, self._hq :], qkv[None, :, self._k_end :].view(1, n, -1, d))
         keys, values = self.k[:, : at + n].transpose(1, 2), self.v[:, : at + n].transpose(1, 2)
         q = qk[:, : self._hq].float().transpose(0, 1)[None]  # (1, nq, n, d): the attention in float32
-        a = self._attention(q, keys, values, torch.from_numpy(mask).to(q.device))
+        a = self._attention(q, keys, values, None if mask is None else torch.from_numpy(mask).to(q.device))
         x = res + head._lin("o_proj", a[0].transpose(0, 1).reshape(n, -1).to(res.dtype))
         gate, up = head._lin("gate_up_proj", _norm(x, head.post_norm, c.rms_eps)).chunk(2, -1)
         return x + head._lin("down_proj", F.silu(gate) * up)
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
                    ) -> torch.Tensor:
         """softmax(q kᵀ / √d + mask) v in float32: q (1, nq, n, d) float32 over keys, values (1, kv, W, d)
-        in the cache's dtype, mask (n, W) additive. A reduced-precision cache goes through the float32-
-        accumulating kernel (methods.core.mixed_attention), a float32 one through PyTorch's SDPA."""
+        in the cache's dtype, mask (n, W) additive or None (every query sees every key). A reduced-precision
+        cache goes through the float32-accumulating kernel (methods.core.mixed_attention), a float32 one
+        through PyTorch's SDPA."""
         if keys.dtype != torch.float32:
-            return mixed.mixed_attention(q, keys, values, mask[None, None], self._scale)
+            return mixed.mixed_attention(q, keys, values, None if mask is None else mask[None, None],
+                                         self._scale)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
 
     def drop_pending(self) -> None:
