@@ -66,6 +66,10 @@ class EagleParams:
     # EAGLE-2's own (the head's q); T < 1 sharpens an under-confident head's q (benchmarks/
     # eagle_calibration.py fits T on the calibration split, measures its τ). Off by default: not the paper's.
     confidence_temperature: float = 1.0
+    # draft over the N most frequent target tokens of the train split only (EagleHead.restrict_vocabulary, at
+    # inference, no retraining: EAGLE-1's frozen LM head or a full-vocabulary EAGLE-3 head); 0 = the whole
+    # vocabulary. Lossless (the target verifies); a smaller LM head per level (benchmarks/eagle_cost.py).
+    draft_vocab: int = 0
 
     def train_config(self, variant: str) -> EagleTrainConfig:
         extra = dict(self.train)
@@ -80,6 +84,9 @@ class EagleParams:
         if not out.confidence_temperature > 0:
             raise ValueError(f"method.params.confidence_temperature must be > 0, got "
                              f"{out.confidence_temperature}")
+        if not (isinstance(out.draft_vocab, int) and out.draft_vocab >= 0):
+            raise ValueError(f"method.params.draft_vocab must be an int >= 0 (0 = the whole vocabulary), got "
+                             f"{out.draft_vocab!r}")
         return out
 
 
@@ -408,6 +415,13 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
         head, _ = load_eagle(Path(ep.head), target)
     if head.cfg.variant != variant:
         raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
+    if ep.draft_vocab:
+        if ep.draft_vocab > head.cfg.vocab_size:
+            raise ValueError(f"method.params.draft_vocab must be <= the target's vocabulary "
+                             f"({head.cfg.vocab_size}), got {ep.draft_vocab}")
+        from methods.heads.eagle.store import frequent_ids
+
+        head.restrict_vocabulary(frequent_ids(models.tokenizer, ep.draft_vocab, head.cfg.vocab_size))
     w = target.get_output_embeddings().weight
     # the target's dtype, with oneDNN-prepacked weights on CPU (bf16 packed: ~1.4x less time per draft level
     # than float32 unpacked, measured); float32 where packing is off or does not work (unpacked bf16 linears

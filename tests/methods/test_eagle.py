@@ -652,3 +652,61 @@ def test_bf16_batch_head_cache_rows_are_the_one_sequence_caches(tiny_models):
             torch.testing.assert_close(batch.last[b].float(), one.last.float(), rtol=2e-2, atol=2e-2)
             got = one.feed(one.last.expand(2, -1), fed[b], 1, np.full(2, -1))
             torch.testing.assert_close(out[b].float(), got.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_restricted_vocabulary_keeps_the_heads_logits_on_its_ids(tiny_models, variant, layers):
+    """restrict_vocabulary(ids): the logits on ``ids`` are the full head's, -inf elsewhere (q a distribution
+    over ids), packed or not; draft_ids are ``ids``; a reduced head cannot be reduced again."""
+    head = _random_head(tiny_models.target, variant, layers)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, head.cfg.hidden_size, generator=g)
+    ids = torch.randperm(head.cfg.vocab_size, generator=g)[:40].sort().values
+    with torch.no_grad():
+        full = head.logits(x)
+        head.restrict_vocabulary(ids)
+        assert head.cfg.draft_vocab_size == 40 and head.draft_ids().tolist() == ids.tolist()
+        for packed in (False, True):
+            if packed:
+                head.pack()
+            z = head.logits(x)
+            torch.testing.assert_close(z[:, ids], full[:, ids], rtol=1e-4, atol=1e-4)
+            outside = torch.ones(head.cfg.vocab_size, dtype=torch.bool).index_fill(0, ids, False)
+            assert torch.isinf(z[:, outside]).all() and torch.isfinite(z[:, ids]).all()
+    with pytest.raises(ValueError, match="already reduced"):
+        head.restrict_vocabulary(ids)
+
+
+@pytest.mark.parametrize("tree_cfg,tree", [(None, Tree.chain(4)), (DYNAMIC, None)])
+def test_inference_draft_vocab_is_greedy_exact_and_drafts_frequent_tokens(tiny_models, tree_cfg, tree):
+    """method.params.draft_vocab = N on an EAGLE-1 head: its drafts are among the N most frequent train-split
+    tokens (store.frequent_ids), the output is still the target's greedy one."""
+    from methods.heads.eagle.store import frequent_ids
+
+    drafter = build_drafter(_method("eagle", draft_vocab=32), tree, tiny_models, GREEDY, tree_cfg=tree_cfg)
+    allowed = frequent_ids(tiny_models.tokenizer, 32, tiny_models.target.config.vocab_size)
+    assert drafter.head.draft_ids().tolist() == allowed.tolist()
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    drafted, real = [], drafter.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        drafted.extend(d.tokens[1:].tolist())
+        return d
+
+    drafter.propose = spy
+    assert decode(engine, drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
+    assert drafted and set(drafted) <= set(allowed.tolist())
+
+
+def test_inference_draft_vocab_bad_values_are_refused(tiny_models):
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            build_drafter(_method("eagle", draft_vocab=bad), Tree.chain(2), tiny_models, GREEDY)
+    with pytest.raises(ValueError, match="<= the target's vocabulary"):
+        build_drafter(_method("eagle", draft_vocab=10**6), Tree.chain(2), tiny_models, GREEDY)
+    with pytest.raises(ValueError, match="already reduced"):  # an EAGLE-3 head trained on a draft vocabulary
+        build_drafter(_method("eagle3", draft_vocab=16, **DRAFT_VOCAB), Tree.chain(2), tiny_models, GREEDY)
