@@ -2,11 +2,12 @@
 interleaved run (benchmarks/harness.py: every prompt runs every path, the order rotated; paired ratios over
 the same run's autoregressive baseline, median over repetitions) (Li et al. 2024a/b, 2025; p = target).
 
-Paths: autoregressive; vanilla chain γ (conf/tree/chain.yaml's), prompt lookup (g = 10, n ≤ 3), staged
-D = 6 k = 2 order 4 (vs_transformers' fastest by median); EAGLE-1 chains of ``--chains`` tokens, 2-ary trees
-of depth 2, 3 and EAGLE-1's 25-node tree; EAGLE-2 dynamic trees ``--dynamic`` (total/depth/top_k); EAGLE-3's
-chains and dynamic trees; and EAGLE-1's chain γ = 4 with a float32 head K/V cache (the A/B of the bf16 cache,
-methods.heads.eagle.state.kv_cache_dtype). A smaller driver than benchmarks/vs_transformers.py (no HF paths).
+Paths: autoregressive; vanilla chain γ (conf/tree/chain.yaml's), prompt lookup (g = 10, n ≤ 3), staged D = 6 k
+= 2 order 4 (vs_transformers' fastest by median); EAGLE-1 chains of ``--chains`` tokens, 2-ary trees of depth
+2, 3 and EAGLE-1's 25-node tree; EAGLE-2 dynamic trees ``--dynamic`` (total/depth/top_k); EAGLE-3's chains and
+dynamic trees; EAGLE-1's chain γ = 4 with a float32 head K/V cache (the A/B of the bf16 cache,
+methods.heads.eagle.state.kv_cache_dtype); ``--vocab``: the chains with an inference-time draft vocabulary. A
+smaller driver than benchmarks/vs_transformers.py (no HF paths).
 
     python benchmarks/eagle_race.py --reps 3
 """
@@ -52,9 +53,12 @@ def specs(args, base: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], Tree 
     for g in args.chains:
         out.append((f"eagle chain g={g}", ("method=eagle",), Tree.chain(g), {}, False))
     out.append(("eagle chain g=4, float32 K/V", ("method=eagle",), Tree.chain(4), {}, True))
+    if args.no_trees:
+        args.kary_depths, args.dynamic = [], []
     for d in args.kary_depths:
         out.append((f"eagle 2-ary depth {d}", ("method=eagle",), Tree.kary(2, d), {}, False))
-    out.append(("eagle static tree (25)", ("method=eagle",), eagle_tree, {}, False))
+    if not args.no_trees:
+        out.append(("eagle static tree (25)", ("method=eagle",), eagle_tree, {}, False))
     for spec in args.dynamic:
         t, d, k = spec.split("/")
         dyn = ("tree=dynamic", f"tree.total_tokens={t}", f"tree.depth={d}", f"tree.top_k={k}")
@@ -64,6 +68,14 @@ def specs(args, base: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], Tree 
     if not args.no_eagle3:
         for g in args.eagle3_chains:
             out.append((f"eagle3 chain g={g}", ("method=eagle3", "tree=chain"), Tree.chain(g), {}, False))
+    for v in args.vocab:  # an inference-time draft vocabulary (EagleParams.draft_vocab) on the chains
+        for g in args.chains:
+            out.append((f"eagle chain g={g} vocab {v}", ("method=eagle",), Tree.chain(g), {"draft_vocab": v},
+                        False))
+        if not args.no_eagle3:
+            for g in args.eagle3_chains:
+                out.append((f"eagle3 chain g={g} vocab {v}", ("method=eagle3", "tree=chain"), Tree.chain(g),
+                            {"draft_vocab": v}, False))
     return out
 
 
@@ -78,6 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="EAGLE-2/3 dynamic trees total_tokens/depth/top_k")
     ap.add_argument("--eagle3-chains", type=int, nargs="*", default=[3, 4])
     ap.add_argument("--no-eagle3", action="store_true")
+    ap.add_argument("--vocab", type=int, nargs="*", default=[],
+                    help="method.params.draft_vocab sizes tried on the EAGLE chains")
+    ap.add_argument("--no-trees", action="store_true", help="chains only (no k-ary, static or dynamic trees)")
     ap.add_argument("overrides", nargs="*", help="more run.py overrides")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -114,6 +129,16 @@ def main(argv: list[str] | None = None) -> dict:
               f"{p.equal_ar / p.runs:5.2f}")
         result[p.name] = {"tok_s": round(median_speed(p), 1), "tau": round(tau, 3), "x_ar": round(r[0], 3),
                           "x_ar_min_max": [round(r[1], 3), round(r[2], 3)], "equal_ar": p.equal_ar / p.runs}
+    if args.vocab:  # the share of the target's greedy tokens (the autoregressive outputs) a vocabulary covers
+        from methods.heads.eagle.store import frequent_ids
+
+        greedy = torch.tensor([t for out in by[AR].selection.outputs for t in out])
+        vocab = models.target.config.vocab_size
+        cover = {v: torch.isin(greedy, frequent_ids(models.tokenizer, v, vocab)).float().mean().item()
+                 for v in args.vocab}
+        cover = {v: round(c, 4) for v, c in cover.items()}
+        print(f"greedy tokens inside the draft vocabulary: {cover}")
+        result["coverage"] = cover
     eagle = [n for n in by if n.startswith("eagle")]
     others = [n for n in by if n not in eagle and n != AR]
     best_e, best_o = max(eagle, key=lambda n: result[n]["x_ar"]), max(others, key=lambda n: result[n]["x_ar"])
