@@ -38,6 +38,7 @@ from methods.core.drafter import DraftContext  # noqa: E402
 from methods.core.engine import ModelEngine  # noqa: E402
 from methods.core.sampling import SamplingParams  # noqa: E402
 from methods.data.workloads import load_prompts  # noqa: E402
+from methods.drafters.eagle import EagleDrafter  # noqa: E402
 from methods.drafters.registry import build_drafter  # noqa: E402
 from methods.heads.eagle.state import HeadCache, _norm, grow_ancestors  # noqa: E402
 from methods.models import load_models  # noqa: E402
@@ -225,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         cache.append(head.fuse(acc), acc_tokens)
         cache.length, cache.last = length, last
 
+    general = EagleDrafter(head, Tree.chain(4), greedy)  # the same cache, the general static-tree path
+    general.cache, general.fast_chain = cache, False
     tasks = {"t(1) target step": target_step, **level.pieces(), "level: feed + LM head + top-k": level.whole,
+             "A/B: propose chain-4, general tree path": lambda: general.propose(ctx),
              "A/B: attention, float32 K/V (SDPA)": level32._attend,
              "A/B: level, float32 K/V (SDPA)": level32.whole,
              f"catch-up append, {args.accepted} rows": catch_up,
@@ -276,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(x{whole / w32:.3f}); attention {med['A/B: attention, float32 K/V (SDPA)'] * 1e3:.4f} -> "
           f"{med['attention over the cache'] * 1e3:.4f} ms")
     print(f"  propose chain-4: {med['propose chain-4 (whole, 4 levels)'] / t1:.3f} t(1) "
-          f"= {med['propose chain-4 (whole, 4 levels)'] / 4 / t1:.3f} t(1) per level")
+          f"= {med['propose chain-4 (whole, 4 levels)'] / 4 / t1:.3f} t(1) per level (the general tree path: "
+          f"{med['A/B: propose chain-4, general tree path'] / t1:.3f} t(1))")
     return 0
 
 

@@ -710,3 +710,30 @@ def test_inference_draft_vocab_bad_values_are_refused(tiny_models):
         build_drafter(_method("eagle", draft_vocab=10**6), Tree.chain(2), tiny_models, GREEDY)
     with pytest.raises(ValueError, match="already reduced"):  # an EAGLE-3 head trained on a draft vocabulary
         build_drafter(_method("eagle3", draft_vocab=16, **DRAFT_VOCAB), Tree.chain(2), tiny_models, GREEDY)
+
+
+def test_chain_fast_path_drafts_what_the_tree_path_drafts(tiny_models):
+    """EagleDrafter._chain (chains in topk mode) proposes the general static-tree path's draft, step after
+    step of a greedy decode (the same head cache state), and that decode is the target's greedy output."""
+    head = _random_head(tiny_models.target)
+    fast, slow = EagleDrafter(head, Tree.chain(4), GREEDY), EagleDrafter(head, Tree.chain(4), GREEDY)
+    slow.fast_chain = False
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    pairs, real = [], fast.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        slow.cache = fast.cache  # the same committed rows (propose drops its pending ones)
+        other = slow.propose(DraftContext(ctx.tokens, None, ctx.generator, ctx.max_new))
+        pairs.append((d, other))
+        return d
+
+    fast.propose = spy
+    assert decode(engine, fast, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
+    assert len(pairs) > 3 and any(a.tree.size == 5 for a, _ in pairs)
+    for a, b in pairs:
+        assert a.tree == b.tree and torch.equal(a.tokens, b.tokens) and a.q is None and b.q is None
+    assert not fast._plans and slow._plans  # the fast one never built the tree path's plan
