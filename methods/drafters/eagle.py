@@ -66,6 +66,10 @@ class EagleParams:
     # EAGLE-2's own (the head's q); T < 1 sharpens an under-confident head's q (benchmarks/
     # eagle_calibration.py fits T on the calibration split, measures its τ). Off by default: not the paper's.
     confidence_temperature: float = 1.0
+    # draft over the N most frequent target tokens of the train split only (EagleHead.restrict_vocabulary, at
+    # inference, no retraining: EAGLE-1's frozen LM head or a full-vocabulary EAGLE-3 head); 0 = the whole
+    # vocabulary. Lossless (the target verifies); a smaller LM head per level (benchmarks/eagle_cost.py).
+    draft_vocab: int = 0
 
     def train_config(self, variant: str) -> EagleTrainConfig:
         extra = dict(self.train)
@@ -80,6 +84,9 @@ class EagleParams:
         if not out.confidence_temperature > 0:
             raise ValueError(f"method.params.confidence_temperature must be > 0, got "
                              f"{out.confidence_temperature}")
+        if not (isinstance(out.draft_vocab, int) and out.draft_vocab >= 0):
+            raise ValueError(f"method.params.draft_vocab must be an int >= 0 (0 = the whole vocabulary), got "
+                             f"{out.draft_vocab!r}")
         return out
 
 
@@ -116,6 +123,7 @@ class EagleDrafter:
             else None
         self._plans: dict[Tree, _Plan] = {}  # static trees (cut to the remaining budget): their levels
         self._trees: dict[tuple, Tree] = {}  # dynamic trees: (parents, ranks) → Tree, built once per shape
+        self.fast_chain = True  # chains in topk mode: ``_chain`` (False: the general ``_static``, to compare)
 
     @property
     def mean_tree_size(self) -> float | None:
@@ -243,6 +251,8 @@ class EagleDrafter:
         q's rows for the rejection verifiers; children beyond q's support (draws without replacement) or the
         vocabulary are dropped with their subtrees."""
         tree = _cut(self.tree, depth)
+        if self.mode == "topk" and tree.size == tree.depth + 1 and self.fast_chain:
+            return self._chain(tree, root, ctx.tokens.device)
         plan = self._plans.get(tree) or self._plans.setdefault(tree, _Plan.of(tree))
         N, V = tree.size, self.head.cfg.vocab_size
         tokens, keep = np.full(N, root, dtype=np.int64), np.ones(N, dtype=bool)
@@ -279,6 +289,19 @@ class EagleDrafter:
             tree, ids, q = subtree(tree, kept), ids[kept], q[kept] if q is not None else None
         dev = ctx.tokens.device
         return Draft(tree, ids.to(dev), None if q is None else q.to(dev))
+
+    def _chain(self, tree: Tree, root: int, device) -> Draft:
+        """A chain's top-1 drafts (topk mode): ``_static``'s levels without its tree bookkeeping (the same
+        ops on the head: one row fed per level, its q's top-1 by the same top-k), ~0.1 t(1) less host time
+        per step on the zoo (benchmarks/eagle_cost.py)."""
+        tokens = [root]
+        g = self.cache.last[None]
+        for d in range(1, tree.depth + 1):
+            tokens.append(int(self.head.logits(g).float().topk(1).indices[0, 0]))
+            if d < tree.depth:
+                # the depth-d node's parent: pending row d - 2 (-1 at depth 1: a child of the root)
+                g = self.cache.feed(g, torch.tensor(tokens[-1:], device=g.device), d, np.array([d - 2]))
+        return Draft(tree, torch.tensor(tokens, dtype=torch.long, device=device))
 
     def _children(self, z: torch.Tensor, width: int, gen
                   ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
@@ -408,10 +431,18 @@ def _head(ep: EagleParams, variant: str, models) -> EagleHead:
         head, _ = load_eagle(Path(ep.head), target)
     if head.cfg.variant != variant:
         raise ValueError(f"{ep.head}: an {head.cfg.variant} head, the drafter is {variant}")
+    if ep.draft_vocab:
+        if ep.draft_vocab > head.cfg.vocab_size:
+            raise ValueError(f"method.params.draft_vocab must be <= the target's vocabulary "
+                             f"({head.cfg.vocab_size}), got {ep.draft_vocab}")
+        from methods.heads.eagle.store import frequent_ids
+
+        head.restrict_vocabulary(frequent_ids(models.tokenizer, ep.draft_vocab, head.cfg.vocab_size))
     w = target.get_output_embeddings().weight
     # the target's dtype, with oneDNN-prepacked weights on CPU (bf16 packed: ~1.4x less time per draft level
     # than float32 unpacked, measured); float32 where packing is off or does not work (unpacked bf16 linears
-    # are no faster than float32 there). The head's K/V and attention are float32 either way (HeadCache).
+    # are no faster than float32 there). The attention is float32 either way; the K/V cache is in the head's
+    # bf16 / fp16 where the float32-accumulating kernel reads it (methods.heads.eagle.state.kv_cache_dtype).
     cpu = w.device.type == "cpu"
     dtype = torch.float32 if cpu and not (ep.pack and packing_works(w.dtype)) else w.dtype
     head = head.to(device=w.device, dtype=dtype).eval()

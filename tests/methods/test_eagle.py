@@ -584,3 +584,156 @@ def test_greedy_labels_train_q_on_the_targets_argmax(tiny_models, draft_vocab):
         cached = make_batch(feats, seq, torch.arange(2), lm, greedy_labels(feats, lm, chunk=1))
         assert cached.p_logits is None and torch.equal(cached.labels(), labels)
         torch.testing.assert_close(loss(head, cached, greedy), want)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_bf16_head_cache_attends_like_the_float32_one(tiny_models, variant, layers):
+    """A bf16 head stores its K/V in bf16 where the float32-accumulating kernel is built (kv_cache_dtype) and
+    attends through it: the keys and values are the float32 cache's (computed in bf16, exactly representable),
+    so the attention equals the float32 SDPA's to float32 summation order (tight tolerance); g then differs at
+    most where a float32 attention output rounds to another bf16 value before o_proj (one bf16 ulp, 2^-8
+    relative), and the chain's greedy drafts are the same. A float32 head keeps float32 K/V (exact path)."""
+    from methods.core import mixed_attention
+
+    head32 = _random_head(tiny_models.target, variant, layers)
+    assert HeadCache(head32).kv_dtype == torch.float32
+    head = _random_head(tiny_models.target, variant, layers).to(torch.bfloat16)
+    fast, ref = HeadCache(head), HeadCache(head, mixed_ok=False)
+    assert ref.kv_dtype == torch.float32
+    assert fast.kv_dtype == (torch.bfloat16 if mixed_attention.available() else torch.float32)
+    g = torch.Generator().manual_seed(7)
+    width = head.fc.in_features if variant == "eagle3" else head.cfg.hidden_size
+    h0 = head.fuse(torch.randn(30, width, generator=g).to(torch.bfloat16))
+    toks = torch.randint(0, 256, (30,), generator=g)
+    with torch.no_grad():
+        for c in (fast, ref):
+            c.append(h0[:20], toks[:20])
+            c.append(h0[20:], toks[20:])
+        torch.testing.assert_close(fast.last.float(), ref.last.float(), rtol=2e-2, atol=2e-2)
+        d = head.cfg.head_dim
+        q = torch.randn(1, head.cfg.num_heads, 3, d, generator=g)
+        mask = torch.zeros(3, 30)
+        mask[1, 5:] = float("-inf")
+        att = fast._attention(q, fast.k[:, :30].transpose(1, 2), fast.v[:, :30].transpose(1, 2), mask)
+        want = ref._attention(q, ref.k[:, :30].transpose(1, 2), ref.v[:, :30].transpose(1, 2), mask)
+        torch.testing.assert_close(att, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(fast.k[:, :30].float(), ref.k[:, :30])  # the same values, half the bytes
+        chains = []
+        for c in (fast, ref):
+            x, tok, out = c.last[None], [], []
+            for depth in range(1, 4):
+                tok.append(int(head.logits(x).float().argmax()))
+                x = c.feed(x, torch.tensor(tok[-1:]), depth, np.array([depth - 2]))
+                out.append(x)
+            chains.append((tok, out))
+            c.drop_pending()
+        assert chains[0][0] == chains[1][0]
+        for a, b in zip(chains[0][1], chains[1][1]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_batch_head_cache_rows_are_the_one_sequence_caches(tiny_models):
+    """BatchHeadCache keeps the one-sequence cache's K/V dtype (bf16 through the kernel for a bf16 head) and
+    gives every row the g that HeadCache gives it alone."""
+    head = _random_head(tiny_models.target).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    feats = [torch.randn(n, head.cfg.hidden_size, generator=g).to(torch.bfloat16) for n in (5, 9)]
+    toks = [torch.randint(0, 256, (f.shape[0],), generator=g) for f in feats]
+    fed = torch.randint(0, 256, (2, 2), generator=g)  # (row, node)
+    batch = BatchHeadCache(head, 2)
+    assert batch.kv_dtype == HeadCache(head).kv_dtype
+    with torch.no_grad():
+        batch.join(2)
+        batch.append([0, 1], feats, toks)
+        out = batch.feed(batch.last[:2, None].expand(2, 2, -1), fed, 1, np.full(2, -1))
+        for b in range(2):
+            one = HeadCache(head)
+            one.append(feats[b], toks[b])
+            torch.testing.assert_close(batch.last[b].float(), one.last.float(), rtol=2e-2, atol=2e-2)
+            got = one.feed(one.last.expand(2, -1), fed[b], 1, np.full(2, -1))
+            torch.testing.assert_close(out[b].float(), got.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("variant,layers", [("eagle1", ()), ("eagle3", (0, 1))])
+def test_restricted_vocabulary_keeps_the_heads_logits_on_its_ids(tiny_models, variant, layers):
+    """restrict_vocabulary(ids): the logits on ``ids`` are the full head's, -inf elsewhere (q a distribution
+    over ids), packed or not; draft_ids are ``ids``; a reduced head cannot be reduced again."""
+    head = _random_head(tiny_models.target, variant, layers)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, head.cfg.hidden_size, generator=g)
+    ids = torch.randperm(head.cfg.vocab_size, generator=g)[:40].sort().values
+    with torch.no_grad():
+        full = head.logits(x)
+        head.restrict_vocabulary(ids)
+        assert head.cfg.draft_vocab_size == 40 and head.draft_ids().tolist() == ids.tolist()
+        for packed in (False, True):
+            if packed:
+                head.pack()
+            z = head.logits(x)
+            torch.testing.assert_close(z[:, ids], full[:, ids], rtol=1e-4, atol=1e-4)
+            outside = torch.ones(head.cfg.vocab_size, dtype=torch.bool).index_fill(0, ids, False)
+            assert torch.isinf(z[:, outside]).all() and torch.isfinite(z[:, ids]).all()
+    with pytest.raises(ValueError, match="already reduced"):
+        head.restrict_vocabulary(ids)
+
+
+@pytest.mark.parametrize("tree_cfg,tree", [(None, Tree.chain(4)), (DYNAMIC, None)])
+def test_inference_draft_vocab_is_greedy_exact_and_drafts_frequent_tokens(tiny_models, tree_cfg, tree):
+    """method.params.draft_vocab = N on an EAGLE-1 head: its drafts are among the N most frequent train-split
+    tokens (store.frequent_ids), the output is still the target's greedy one."""
+    from methods.heads.eagle.store import frequent_ids
+
+    drafter = build_drafter(_method("eagle", draft_vocab=32), tree, tiny_models, GREEDY, tree_cfg=tree_cfg)
+    allowed = frequent_ids(tiny_models.tokenizer, 32, tiny_models.target.config.vocab_size)
+    assert drafter.head.draft_ids().tolist() == allowed.tolist()
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    drafted, real = [], drafter.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        drafted.extend(d.tokens[1:].tolist())
+        return d
+
+    drafter.propose = spy
+    assert decode(engine, drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
+    assert drafted and set(drafted) <= set(allowed.tolist())
+
+
+def test_inference_draft_vocab_bad_values_are_refused(tiny_models):
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="draft_vocab"):
+            build_drafter(_method("eagle", draft_vocab=bad), Tree.chain(2), tiny_models, GREEDY)
+    with pytest.raises(ValueError, match="<= the target's vocabulary"):
+        build_drafter(_method("eagle", draft_vocab=10**6), Tree.chain(2), tiny_models, GREEDY)
+    with pytest.raises(ValueError, match="already reduced"):  # an EAGLE-3 head trained on a draft vocabulary
+        build_drafter(_method("eagle3", draft_vocab=16, **DRAFT_VOCAB), Tree.chain(2), tiny_models, GREEDY)
+
+
+def test_chain_fast_path_drafts_what_the_tree_path_drafts(tiny_models):
+    """EagleDrafter._chain (chains in topk mode) proposes the general static-tree path's draft, step after
+    step of a greedy decode (the same head cache state), and that decode is the target's greedy output."""
+    head = _random_head(tiny_models.target)
+    fast, slow = EagleDrafter(head, Tree.chain(4), GREEDY), EagleDrafter(head, Tree.chain(4), GREEDY)
+    slow.fast_chain = False
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    pairs, real = [], fast.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        slow.cache = fast.cache  # the same committed rows (propose drops its pending ones)
+        other = slow.propose(DraftContext(ctx.tokens, None, ctx.generator, ctx.max_new))
+        pairs.append((d, other))
+        return d
+
+    fast.propose = spy
+    assert decode(engine, fast, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
+    assert len(pairs) > 3 and any(a.tree.size == 5 for a, _ in pairs)
+    for a, b in pairs:
+        assert a.tree == b.tree and torch.equal(a.tokens, b.tokens) and a.q is None and b.q is None
+    assert not fast._plans and slow._plans  # the fast one never built the tree path's plan

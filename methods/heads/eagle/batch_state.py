@@ -1,13 +1,15 @@
 """The EAGLE head's KV cache over a batch of rows (issue 16; the batched counterpart of
 methods.heads.eagle.state.HeadCache, used by methods.drafters.eagle.BatchEagle; p = target, q = head).
 
-(R, cap, kv, d) float32 K/V: row b's committed rows at slots 0..lengths[b]-1 and its pending draft rows right
-after them (the batched target engine's layout). Committed rows arrive ragged (each row's accepted tokens
-with the target's hidden states, methods.core.batch_loop) and are appended in ONE head forward over the rows
-that have any, padded to the longest; a draft level is ONE head forward over the level's fed nodes of every
-row (B, f), with one pending-ancestor relation shared by the rows where they draft the same tree (static
-trees), one per row where each row's nodes have parents of their own (EAGLE-2's dynamic frontiers). Attention
-masks are built on the host in numpy and cross to the device once per forward, as in the one-sequence cache.
+(R, cap, kv, d) K/V (the head's bf16 / fp16 where the float32-accumulating kernel attends over it, as in the
+one-sequence cache: methods.heads.eagle.state.kv_cache_dtype; else float32): row b's committed rows at slots
+0..lengths[b]-1 and its pending draft rows right after them (the batched target engine's layout). Committed
+rows arrive ragged (each row's accepted tokens with the target's hidden states, methods.core.batch_loop) and
+are appended in ONE head forward over the rows that have any, padded to the longest; a draft level is ONE head
+forward over the level's fed nodes of every row (B, f), with one pending-ancestor relation shared by the rows
+where they draft the same tree (static trees), one per row where each row's nodes have parents of their own
+(EAGLE-2's dynamic frontiers). Attention masks are built on the host in numpy and cross to the device once per
+forward, as in the one-sequence cache.
 """
 
 from __future__ import annotations
@@ -16,18 +18,19 @@ import numpy as np
 import torch
 
 from methods.heads.eagle.head import EagleHead
-from methods.heads.eagle.state import grow_ancestors
+from methods.heads.eagle.state import grow_ancestors, kv_cache_dtype
 
 
 class BatchHeadCache:
     """The head's K/V for up to ``max_rows`` rows (slots 0..B-1, the batch loop's order)."""
 
-    def __init__(self, head: EagleHead, max_rows: int, capacity: int = 256) -> None:
+    def __init__(self, head: EagleHead, max_rows: int, capacity: int = 256, mixed_ok: bool = True) -> None:
         self.head, self.max_rows, self.capacity = head, max_rows, capacity
         c = head.cfg
         self.kv = c.num_kv_heads * c.head_dim
         p = head.qkv_proj.weight
-        self.k = torch.zeros(max_rows, capacity, self.kv, dtype=torch.float32, device=p.device)
+        self.kv_dtype = kv_cache_dtype(head, mixed_ok)
+        self.k = torch.zeros(max_rows, capacity, self.kv, dtype=self.kv_dtype, device=p.device)
         self.v = torch.zeros_like(self.k)
         self.lengths = np.zeros(0, dtype=np.int64)  # committed rows per active row (host)
         self.last = torch.zeros(max_rows, c.hidden_size, dtype=p.dtype, device=p.device)  # g of the last one
@@ -71,8 +74,8 @@ class BatchHeadCache:
     def _write(self, rows: np.ndarray, cols: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V (N, kv) of the (rows[i], cols[i]) slots, in one index_copy_ each."""
         flat = torch.from_numpy(rows * self.capacity + cols).to(self.k.device)
-        self.k.view(-1, self.kv).index_copy_(0, flat, k.reshape(-1, self.kv).float())
-        self.v.view(-1, self.kv).index_copy_(0, flat, v.reshape(-1, self.kv).float())
+        self.k.view(-1, self.kv).index_copy_(0, flat, k.reshape(-1, self.kv).to(self.kv_dtype))
+        self.v.view(-1, self.kv).index_copy_(0, flat, v.reshape(-1, self.kv).to(self.kv_dtype))
 
     def _keys(self, rows: np.ndarray, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(G, width, kv, d) K/V of ``rows``: a view when they are the first G slots (the steady state)."""

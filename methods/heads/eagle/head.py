@@ -9,6 +9,8 @@ fc(low ++ mid ++ high layer outputs)); at draft positions it is the head's own g
   → the target's frozen LM head on g.
 - eagle3: residual h; attention reads norm_e(e) ++ norm_h(h) (2H wide q/k/v); MLP; final norm → its own LM
   head over a draft vocabulary (d2t[i]: target id = i + d2t[i], EAGLE-3's map; the identity by default).
+- Either may draft over a reduced vocabulary at inference (``restrict_vocabulary``: its LM head's rows of the
+  given target ids, d2t; EAGLE-1's frozen LM head included): q is 0 elsewhere, verification stays lossless.
 The embedding (and EAGLE-1's LM head) are the target's, frozen, held as buffers, never saved.
 One layer, explicit K/V: ``project`` gives rotated q, k, v of rows, ``attend`` mixes them with any key set
 and additive mask, so the training rollout and the drafter's tree share the same code. For decoding on CPU,
@@ -18,13 +20,14 @@ and additive mask, so the training rollout and the drafter's tree share the same
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from methods.core.fast_llama import pack_weight, packed_linear, packing_works
+from methods.core.mixed_attention import mixed_attention
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class EagleConfig:
     num_kv_heads: int
     head_dim: int
     vocab_size: int  # the target's
-    draft_vocab_size: int  # eagle3's LM head rows (= vocab_size for eagle1)
+    draft_vocab_size: int  # the LM head's rows (eagle3's trained draft vocabulary; eagle1: vocab_size, or
+    # fewer where restricted at inference: EagleHead.restrict_vocabulary)
     feature_layers: tuple[int, ...] = ()  # eagle3: target decoder layers fused by fc (() = last hidden)
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
@@ -44,7 +48,7 @@ class EagleConfig:
 
     def __post_init__(self) -> None:
         assert self.variant in ("eagle1", "eagle3"), f"unknown EAGLE variant {self.variant!r}"
-        assert self.variant == "eagle3" or self.draft_vocab_size == self.vocab_size
+        assert 1 <= self.draft_vocab_size <= self.vocab_size
         assert len(set(self.feature_layers)) == len(self.feature_layers), "feature layers must be distinct"
 
     @property
@@ -111,7 +115,9 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Parameter(lm_head.detach().clone()[: cfg.draft_vocab_size])  # (Vd, H)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         else:
-            self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # (V, H) frozen
+            self.register_buffer("lm_head", lm_head.detach().clone()[: cfg.draft_vocab_size],
+                                 persistent=False)  # (V, H) frozen
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
         self.packed: dict[str, torch.Tensor] = {}  # name → prepacked weight (``pack``; inference only)
 
     @torch.no_grad()
@@ -162,9 +168,15 @@ class EagleHead(nn.Module):
         (None = causal, S = T); residual + attention, then the MLP block."""
         c = self.cfg
         rep = c.num_heads // c.num_kv_heads
-        # the attention in k's dtype: the decode cache keeps K/V in float32, where CPU SDPA is several times
-        # faster than in bfloat16 (methods.core.fast_llama does the same for the target)
-        qt, kt, vt = q.transpose(1, 2).to(k.dtype), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, d)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv, S, d)
+        if k.dtype in (torch.bfloat16, torch.float16) and mask is not None:
+            # a decode cache in the head's reduced dtype (methods.heads.eagle.state.kv_cache_dtype): float32
+            # queries through the float32-accumulating kernel, as the target's engines attend
+            a = mixed_attention(q.transpose(1, 2).float(), kt, vt, mask.float(), c.head_dim ** -0.5)
+            return self.block(res, a.transpose(1, 2))
+        # else the attention in k's dtype: a float32 decode cache, where CPU SDPA is several times faster
+        # than in bfloat16 (methods.core.fast_llama does the same for the target), or the training's
+        qt = q.transpose(1, 2).to(k.dtype)  # (B, n, T, d)
         if rep > 1:
             kt, vt = kt.repeat_interleave(rep, 1), vt.repeat_interleave(rep, 1)
         m = None if mask is None else mask.to(qt.dtype)
@@ -184,9 +196,7 @@ class EagleHead(nn.Module):
         """Draft logits over the TARGET vocabulary (..., V); EAGLE-3's draft vocabulary is scattered to its
         target ids, the rest get -inf."""
         c = self.cfg
-        if c.variant == "eagle1":
-            return self._head_logits(g)
-        z = self.draft_logits(g)  # (..., Vd)
+        z = self._head_logits(g) if c.variant == "eagle1" else self.draft_logits(g)  # (..., Vd)
         if c.draft_vocab_size == c.vocab_size and not self.d2t.any():
             return z
         out = z.new_full((*z.shape[:-1], c.vocab_size), float("-inf"))
@@ -197,9 +207,33 @@ class EagleHead(nn.Module):
         return self._head_logits(rms_norm(g, self.norm, self.cfg.rms_eps))
 
     def draft_ids(self) -> torch.Tensor:
-        """(Vd,) the target ids of the draft vocabulary (EAGLE-1: all V)."""
-        ids = torch.arange(self.cfg.draft_vocab_size, device=self.lm_head.device)
-        return ids + self.d2t if self.cfg.variant == "eagle3" else ids
+        """(Vd,) the target ids of the draft vocabulary (all V unless reduced)."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.lm_head.device) + self.d2t
+
+    @torch.no_grad()
+    def restrict_vocabulary(self, ids: torch.Tensor) -> None:
+        """Draft over the target ids ``ids`` (ascending, distinct) only, at inference (before ``pack``): the
+        LM head keeps their rows, d2t maps draft id i to ids[i] (EAGLE-3's map), q is 0 elsewhere. A smaller
+        LM head per draft level (its largest matmul on a small target: the zoo's 4096 x 384 is 42% of a
+        level's weights); the drafts change only where q's top choices fall outside ``ids``. A head whose
+        vocabulary is already reduced (a trained EAGLE-3 draft vocabulary) is refused."""
+        c = self.cfg
+        if c.draft_vocab_size != c.vocab_size or self.d2t.any():
+            raise ValueError(f"the head's draft vocabulary is already reduced ({c.draft_vocab_size} of "
+                             f"{c.vocab_size}): method.params.draft_vocab applies to full-vocabulary heads")
+        ids = ids.to(self.lm_head.device, torch.long)
+        n = ids.numel()
+        if not (1 <= n <= c.vocab_size and bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0
+                and int(ids[-1]) < c.vocab_size):
+            raise ValueError(f"a draft vocabulary is 1..{c.vocab_size} ascending target ids, got {n}")
+        rows = self.lm_head.detach()[ids].clone()
+        if isinstance(self.lm_head, nn.Parameter):
+            self.lm_head = nn.Parameter(rows, requires_grad=False)
+        else:
+            self.lm_head = rows  # EAGLE-1's frozen buffer
+        self.d2t = ids - torch.arange(n, device=ids.device)
+        self.cfg = replace(c, draft_vocab_size=n)
+        self.packed = {}  # pack again for the new LM head
 
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.packed.get("lm_head")

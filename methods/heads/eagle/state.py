@@ -20,13 +20,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from methods.core import mixed_attention as mixed
 from methods.heads.eagle.head import EagleHead
 
 
 class HeadCache:
-    def __init__(self, head: EagleHead, capacity: int = 256) -> None:
+    def __init__(self, head: EagleHead, capacity: int = 256, mixed_ok: bool = True) -> None:
         self.head = head
         self.capacity = capacity  # initial rows; the buffers double when full
+        # K/V storage: the head's bf16 / fp16 where its attention can run through the float32-accumulating
+        # kernel (kv_cache_dtype; ``mixed_ok`` False: float32 always, for comparison), else float32
+        self.kv_dtype = kv_cache_dtype(head, mixed_ok)
+        self._scale = head.cfg.head_dim ** -0.5
         self.k: torch.Tensor | None = None  # (1, capacity, kv, d): committed rows, then pending rows
         self.v: torch.Tensor | None = None
         self.length = 0  # committed rows
@@ -54,9 +59,8 @@ class HeadCache:
         at, n = self.length + self.pending, k.shape[1]
         if self.k is None or at + n > self.k.shape[1]:
             cap = max(self.capacity, 2 * (at + n))
-            # float32 K/V: the attention runs in it (EagleHead.attend), fast on CPU whatever the head's dtype
-            bk = k.new_empty(1, cap, *k.shape[2:], dtype=torch.float32)
-            bv = v.new_empty(1, cap, *v.shape[2:], dtype=torch.float32)
+            bk = k.new_empty(1, cap, *k.shape[2:], dtype=self.kv_dtype)
+            bv = v.new_empty(1, cap, *v.shape[2:], dtype=self.kv_dtype)
             if self.k is not None:
                 bk[:, :at], bv[:, :at] = self.k[:, :at], self.v[:, :at]
             self.k, self.v = bk, bv
@@ -67,8 +71,10 @@ class HeadCache:
         """Commit rows: h (n, H) the head-space input (fused features), tokens (n,) = x_{i+1}."""
         self.drop_pending()
         L, n = self.length, h.shape[0]
-        mask = np.zeros((n, L + n), dtype=np.float32)  # causal over the new rows, everything committed before
-        mask[:, L:][np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
+        mask = None  # one row sees every row: no mask
+        if n > 1:  # causal over the new rows, everything committed before
+            mask = np.zeros((n, L + n), dtype=np.float32)
+            mask[:, L:][np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
         g = self._rows(h, tokens, self._rope[L : L + n], mask)  # (n, H)
         self.length, self.last = L + n, g[-1]
 
@@ -79,13 +85,15 @@ class HeadCache:
         L, P, n = self.length, self.pending, h.shape[0]
         parents = parents.cpu().numpy() if torch.is_tensor(parents) else np.asarray(parents)
         grown = grow_ancestors(self.anc, parents)
-        mask = np.zeros((n, L + P + n), dtype=np.float32)  # committed rows visible; pending: ancestors only
-        mask[:, L:][~grown[P:]] = -np.inf
+        mask = None  # committed rows visible; pending: ancestors only (a chain's one row: all, no mask)
+        if not grown[P:].all():
+            mask = np.zeros((n, L + P + n), dtype=np.float32)
+            mask[:, L:][~grown[P:]] = -np.inf
         g = self._rows(h, tokens, self._rope[L - 1 + depth, None], mask)  # written after the P pending rows
         self.anc = grown
         return g
 
-    def _rows(self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: np.ndarray
+    def _rows(self, h: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, mask: np.ndarray | None
               ) -> torch.Tensor:
         """g (n, H) of rows h (n, H), tokens (n,) at the rotary rows ``rope`` ((n or 1, 2, 1, d)), written
         after the committed and pending K/V, attending them under the additive ``mask`` (n, all rows):
@@ -101,18 +109,41 @@ class HeadCache:
             x = torch.cat([_norm(e, head.embed_norm, c.rms_eps), _norm(h, head.hidden_norm, c.rms_eps)], -1)
         qkv = head._lin("qkv_proj", x)  # (n, (nq + 2 kv) d)
         qk = qkv[:, : self._k_end].view(n, -1, d)
-        qk = (qk * rope[:, 0] + qk.roll(d // 2, -1) * rope[:, 1]).float()  # (n, nq + kv, d); K/V in float32
+        qk = qk * rope[:, 0] + qk.roll(d // 2, -1) * rope[:, 1]  # (n, nq + kv, d) in the head's dtype
         at = self._write(qk[None, :, self._hq :], qkv[None, :, self._k_end :].view(1, n, -1, d))
         keys, values = self.k[:, : at + n].transpose(1, 2), self.v[:, : at + n].transpose(1, 2)
-        q = qk[:, : self._hq].transpose(0, 1)[None]  # (1, nq, n, d)
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.from_numpy(mask).to(q.device),
-                                           enable_gqa=self._gqa)
+        q = qk[:, : self._hq].float().transpose(0, 1)[None]  # (1, nq, n, d): the attention in float32
+        a = self._attention(q, keys, values, None if mask is None else torch.from_numpy(mask).to(q.device))
         x = res + head._lin("o_proj", a[0].transpose(0, 1).reshape(n, -1).to(res.dtype))
         gate, up = head._lin("gate_up_proj", _norm(x, head.post_norm, c.rms_eps)).chunk(2, -1)
         return x + head._lin("down_proj", F.silu(gate) * up)
 
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """softmax(q kᵀ / √d + mask) v in float32: q (1, nq, n, d) float32 over keys, values (1, kv, W, d)
+        in the cache's dtype, mask (n, W) additive or None (every query sees every key). A reduced-precision
+        cache goes through the float32-accumulating kernel (methods.core.mixed_attention), a float32 one
+        through PyTorch's SDPA."""
+        if keys.dtype != torch.float32:
+            return mixed.mixed_attention(q, keys, values, None if mask is None else mask[None, None],
+                                         self._scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
+
     def drop_pending(self) -> None:
         self.anc = np.zeros((0, 0), dtype=bool)
+
+
+def kv_cache_dtype(head: EagleHead, mixed_ok: bool = True) -> torch.dtype:
+    """The head's K/V storage dtype: its own bf16 / fp16 on CPU where the float32-accumulating attention
+    kernel is built (methods.core.mixed_attention; ``mixed_ok`` False: never), else float32. Lossless as the
+    target's cache (mixed_attention.cache_dtype): K and V are computed in the head's dtype (qkv_proj, then
+    the rotation), so storing them in it keeps the float32 cache's values in half the bytes, and the kernel
+    accumulates in float32 like the float32 SDPA. A float32 head keeps float32 K/V and SDPA, exact."""
+    w = head.qkv_proj.weight
+    reduced = w.dtype in (torch.bfloat16, torch.float16)
+    if mixed_ok and reduced and w.device.type == "cpu" and mixed.available():
+        return w.dtype
+    return torch.float32
 
 
 def grow_ancestors(anc: np.ndarray, parents: np.ndarray) -> np.ndarray:

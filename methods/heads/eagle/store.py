@@ -25,7 +25,7 @@ from methods.heads import trainer
 from methods.heads.eagle.checkpoint import load_eagle, save_eagle
 from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
-from methods.heads.eagle.train import EagleTrainConfig, depth_accuracy, train
+from methods.heads.eagle.train import EagleTrainConfig, depth_accuracy, most_frequent, train
 from methods.heads.medusa.store import _cache_root, build_once, corpus_tokens, head_key, target_identity
 from methods.heads.medusa.train import greedy_continuations, sample_windows
 
@@ -163,3 +163,17 @@ def _note_next_to_zoo(target: PreTrainedModel, entry: Path, report: dict) -> Non
     atomic = zoo / "heads" / f".{entry.name}.tmp{os.getpid()}"
     atomic.write_text(json.dumps({**note, "entry": str(entry)}, indent=1))
     os.replace(atomic, zoo / "heads" / f"{report['variant']}-{entry.name}.json")
+
+
+_FREQUENT: dict[tuple, torch.Tensor] = {}  # (tokenizer, size) → ids: a drafter built per pass tokenizes once
+
+
+def frequent_ids(tokenizer: PreTrainedTokenizerBase, size: int, vocab: int) -> torch.Tensor:
+    """(size,) ascending target ids of the ``size`` most frequent tokens of the train split (the stream the
+    heads train on: ``corpus_tokens`` with EagleEval's train_chars, seed 0), for an inference-time draft
+    vocabulary (methods.drafters.eagle.EagleParams.draft_vocab)."""
+    key = (getattr(tokenizer, "name_or_path", ""), len(tokenizer), size, vocab)
+    if key not in _FREQUENT:
+        tokens = corpus_tokens(tokenizer, "train", EagleEval().train_chars, 0)
+        _FREQUENT[key] = most_frequent(tokens, size, vocab)
+    return _FREQUENT[key].clone()
