@@ -297,7 +297,8 @@ def to_measured_cost(profile: Profile, chain: bool = False) -> MeasuredCost:
         elif excess is None:  # profiles without the per-size walk: the loop's overhead, a constant
             table[n] = t + profile.verify_overhead_s + verify_growth_s(profile, n, chain)
         else:
-            table[n] = t * (1 + excess) + verify_walk_s(profile, n, chain)
+            excess_s = forward_excess_ratio(profile, n) * profile.t_ar_s  # the loop's forward beyond t(n)
+            table[n] = t + excess_s + verify_walk_s(profile, n, chain)
     if profile.t_ar_s > 0:
         table[1] = profile.t_ar_s  # the autoregressive step's own verification is in it already
     return MeasuredCost.from_mapping(table)
@@ -311,7 +312,8 @@ def loop_forward_excess(profile: Profile) -> float | None:
     proportion to its size: 0.12–0.39 t(f) on the zoo where the walk and the commit take 0.02–0.05.
     Priced as a constant, a 64-node Medusa tree's verification read 3–10% low on the quiet sweep and
     SpecInfer's 61 nodes 9–20% (docs/validation.md). None without the per-size walk timings (older
-    profiles, vLLM's own engine): the constant overhead then."""
+    profiles, vLLM's own engine): the constant overhead then. The excess at the loop's own tree; at other
+    sizes :func:`forward_excess_ratio`."""
     steps = profile.extra.get("verify_step_ratios") or {}
     forward = profile.extra.get("loop_verify_forward_tokens")
     if profile.verify_overhead_ratio <= 0 or "0" not in steps or not forward:
@@ -320,6 +322,30 @@ def loop_forward_excess(profile: Profile) -> float | None:
     if not t_f:
         return None
     return max(0.0, (profile.verify_overhead_ratio - float(steps["0"])) / float(t_f))
+
+
+def forward_excess_ratio(profile: Profile, n: int) -> float:
+    """What the loop's verify forward of n nodes costs beyond the timed t(n), / t(1): E(f) = excess · t(f)
+    at the loop's own forward of f tokens (:func:`loop_forward_excess`), and where the calibration timed
+    the loop on a wide tree of N nodes (``loop_verify_wide``), E(N) = its verification − t(N) − the walk
+    of N nodes; between and beyond, E grows linearly in t(n) through the two (a slope ≥ 0, E ≥ 0). In
+    proportion to t(n) (E(f) · t(n) / t(f)) where the wide tree was not timed. On the zoo, the bf16 cache
+    read through its kernel made the excess nearly a constant per forward: in proportion, the quiet sweep's
+    26–64-node trees read their verification +10% on average (30 rows; +0.6% with the float32 cache's
+    SDPA, where the excess did grow with t(n))."""
+    excess = loop_forward_excess(profile) or 0.0
+    table = MeasuredCost.from_mapping(profile.t_n_ratios)
+    t_n = float(table.time(n))
+    forward = profile.extra.get("loop_verify_forward_tokens")
+    wide = {int(k): float(v) for k, v in (profile.extra.get("loop_verify_wide") or {}).items()}
+    t_f = profile.t_n_ratios.get(int(forward)) if forward else None
+    big = max(wide, default=0)
+    if not t_f or big not in profile.t_n_ratios or profile.t_n_ratios[big] <= t_f:
+        return excess * t_n
+    e_f, t_big = excess * t_f, profile.t_n_ratios[big]
+    e_big = max(0.0, wide[big] - t_big - verify_walk_s(profile, big) / profile.t_ar_s)
+    slope = max(0.0, (e_big - e_f) / (t_big - t_f))
+    return max(0.0, e_f + slope * (t_n - t_f))
 
 
 def verify_walk_s(profile: Profile, n: int, chain: bool = False) -> float:
@@ -672,15 +698,14 @@ SHORT_DRAFTS = 0.01  # drafts shorter than the tree, at least this share of the 
 
 def loop_verify_s(profile: Profile, n: int, chain: bool = False) -> float | None:
     """One verification of an n-node draft in the speculative loop, the root alone (n = 1) included:
-    t(n)·(1 + excess) + the walk (:func:`loop_forward_excess`). A root-only step of the speculative loop
-    pays the drafter's work between its forwards like any other, so it is not the autoregressive loop's
-    t(1): priced so, prompt lookup's steps read 5% below the loop's own verification on the calibration
-    split. None without the per-size walk timings."""
-    excess = loop_forward_excess(profile)
-    if excess is None:
+    t(n) + its excess in the loop (:func:`forward_excess_ratio`) + the walk. A root-only step of the
+    speculative loop pays the drafter's work between its forwards like any other, so it is not the
+    autoregressive loop's t(1): priced so, prompt lookup's steps read 5% below the loop's own verification
+    on the calibration split. None without the per-size walk timings."""
+    if loop_forward_excess(profile) is None:
         return None
     forward = float(MeasuredCost.from_mapping(profile.t_n).time(n))
-    return forward * (1 + excess) + verify_walk_s(profile, n, chain)
+    return forward + forward_excess_ratio(profile, n) * profile.t_ar_s + verify_walk_s(profile, n, chain)
 
 
 def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callable[[int], float]
