@@ -931,6 +931,7 @@ class _Measured:
     replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
+    wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -972,10 +973,12 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # zoo's union of 3 chains of 4 verified 5-9 of its 13 nodes; beside t(13) its overhead read 0)
     forward = loop_forward_tokens(cfg, run, drafted)
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
-    table, attempts = _timed_table(run, context, sizes, wide_drafter(run))  # its tree's t(n) and walk too
+    wide = wide_drafter(run)  # every step's draft counted, the generation's cut last ones too (depth 0)
+    wide = SizeRecorder(wide, 0) if wide is not None else None
+    table, attempts = _timed_table(run, context, sizes, wide)  # its tree's t(n) and walk too
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay, drafted, recorder.level_means)
+                          replay, drafted, recorder.level_means, wide.sizes if wide is not None else {})
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1004,6 +1007,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the loop's verification per step / t(1) with the drafter on a wide tree of n nodes (its forward's
         # excess over t(n) at a second size: profiles.forward_excess_ratio)
         "loop_verify_wide": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VLOOP},
+        # and the mean tokens of its verify forwards (the steps at the generation's end draft fewer)
+        "loop_verify_wide_tokens": (sum(n * c for n, c in m.wide_sizes.items()) / sum(m.wide_sizes.values())
+                                    if m.wide_sizes else None),
         # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
         "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
         "draft_models": (_draft_modes(run) or ("", 0))[1],
