@@ -1007,9 +1007,8 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the loop's verification per step / t(1) with the drafter on a wide tree of n nodes (its forward's
         # excess over t(n) at a second size: profiles.forward_excess_ratio)
         "loop_verify_wide": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VLOOP},
-        # and the mean tokens of its verify forwards (the steps at the generation's end draft fewer)
-        "loop_verify_wide_tokens": (sum(n * c for n, c in m.wide_sizes.items()) / sum(m.wide_sizes.values())
-                                    if m.wide_sizes else None),
+        # and how many of its verify forwards had each size (the steps at the generation's end draft fewer)
+        "loop_verify_wide_sizes": {str(n): c for n, c in sorted(m.wide_sizes.items())},
         # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
         "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
         "draft_models": (_draft_modes(run) or ("", 0))[1],

@@ -327,9 +327,9 @@ def loop_forward_excess(profile: Profile) -> float | None:
 def forward_excess_ratio(profile: Profile, n: int) -> float:
     """What the loop's verify forward of n nodes costs beyond the timed t(n), / t(1): E(f) = excess · t(f)
     at the loop's own forward of f tokens (:func:`loop_forward_excess`), and where the calibration timed
-    the loop on a wide tree of N nodes (``loop_verify_wide``), E = its verification − t(s) − the walk of N
-    nodes at s, the mean tokens of its forwards (``loop_verify_wide_tokens``: the generation's last steps
-    draft fewer; 27 of 32 for EAGLE's binary tree over 32 new tokens); between and beyond, E grows
+    the loop on a wide tree of N nodes (``loop_verify_wide``), E = its verification − the mean t(s) of its
+    forwards' sizes s (``loop_verify_wide_sizes``: the generation's last steps draft fewer, a mean 27 of 32
+    nodes for EAGLE's binary tree over 32 new tokens) − the walk of N nodes; between and beyond, E grows
     linearly in t(n) through the two (a slope ≥ 0, E ≥ 0). In
     proportion to t(n) (E(f) · t(n) / t(f)) where the wide tree was not timed. On the zoo, the bf16 cache
     read through its kernel made the excess nearly a constant per forward: in proportion, the quiet sweep's
@@ -344,8 +344,9 @@ def forward_excess_ratio(profile: Profile, n: int) -> float:
     big = max(wide, default=0)
     if not t_f or big not in profile.t_n_ratios or profile.t_n_ratios[big] <= t_f:
         return excess * t_n
-    tokens = float(profile.extra.get("loop_verify_wide_tokens") or big)
-    e_f, t_big = excess * t_f, float(table.time(tokens))
+    sizes = {int(k): float(c) for k, c in (profile.extra.get("loop_verify_wide_sizes") or {big: 1}).items()}
+    e_f = excess * t_f
+    t_big = sum(c * float(table.time(k)) for k, c in sizes.items()) / sum(sizes.values())
     if t_big <= t_f:
         return excess * t_n
     e_big = max(0.0, wide[big] - t_big - verify_walk_s(profile, big) / profile.t_ar_s)

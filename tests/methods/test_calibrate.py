@@ -331,11 +331,11 @@ def test_the_loops_forward_excess_is_measured_on_a_wide_tree():
     assert loop_verify_s(wide, 32) == pytest.approx(measured * t1)
     flat = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": t32 + 0.1}})  # no excess
     assert to_measured_cost(flat).time(64) == pytest.approx(prof.t_n[64] + (e4 + 0.2) * t1)  # the chain's
-    # the wide loop's forwards were 24 tokens on average (its last steps draft fewer): E at t(24)
-    t24 = (t16 + t32) / 2
-    cut = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": t24 + e32 + 0.1},
-                                           "loop_verify_wide_tokens": 24.0})
-    e64 = e4 + (e32 - e4) / (t24 - t4) * (t64 - t4)
+    # a fifth of the wide loop's forwards were of 16 nodes (its last steps draft fewer): E beside their mean t
+    t_mix = 0.8 * t32 + 0.2 * t16
+    cut = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": t_mix + e32 + 0.1},
+                                           "loop_verify_wide_sizes": {"32": 8, "16": 2}})
+    e64 = e4 + (e32 - e4) / (t_mix - t4) * (t64 - t4)
     assert to_measured_cost(cut).time(64) == pytest.approx(prof.t_n[64] + (e64 + 0.2) * t1)
     untimed = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"48": 9.0}})  # no t(48)
     assert to_measured_cost(untimed).time(64) == pytest.approx(to_measured_cost(prof).time(64))
@@ -670,7 +670,8 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     # the loop's verification on a wide tree, and that tree's forward, in the same rounds
     assert set(prof.extra["loop_verify_wide"]) == {str(WIDE_NODES)} and WIDE_NODES in prof.t_n_ratios
     assert prof.extra["loop_verify_wide"][str(WIDE_NODES)] > 0
-    assert 1 <= prof.extra["loop_verify_wide_tokens"] <= WIDE_NODES  # its forwards' mean tokens
+    drafted = {int(n) for n in prof.extra["loop_verify_wide_sizes"]}  # its forwards' sizes
+    assert WIDE_NODES in drafted and all(1 <= n <= WIDE_NODES for n in drafted)
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
 
