@@ -321,7 +321,36 @@ def loop_forward_excess(profile: Profile) -> float | None:
     t_f = profile.t_n_ratios.get(int(forward))
     if not t_f:
         return None
+    law, verify = _loop_forward_law(profile), profile.extra.get("verify_per_speculation_step_s")
+    if law and verify and profile.t_ar_s > 0:  # the loop's forwards of several sizes: beside their mean t
+        t_mean = loop_forward_ratio(profile)
+        return max(0.0, (float(verify) / profile.t_ar_s - t_mean - float(steps["0"])) / t_mean)
     return max(0.0, (profile.verify_overhead_ratio - float(steps["0"])) / float(t_f))
+
+
+def _loop_forward_law(profile: Profile) -> dict[int, float] | None:
+    """The law of the calibration loop's verify forward sizes where they varied (``loop_verify_sizes``,
+    more than one size each on at least SHORT_DRAFTS of the steps) and their mean is the forward its
+    overhead was taken beside (``loop_verify_forward_tokens``, rounded); else None."""
+    counts = {int(n): float(c) for n, c in (profile.extra.get("loop_verify_sizes") or {}).items()}
+    total = sum(counts.values())
+    forward = profile.extra.get("loop_verify_forward_tokens")
+    if total <= 0 or not forward or sum(c >= SHORT_DRAFTS * total for c in counts.values()) < 2:
+        return None
+    law = {n: c / total for n, c in counts.items()}
+    return law if round(sum(n * p for n, p in law.items())) == int(forward) else None
+
+
+def loop_forward_ratio(profile: Profile) -> float:
+    """The calibration loop's verify forward, / t(1): t(f) of its forward of f tokens, or where its drafts'
+    sizes varied, their mean t(k) (prompt lookup's grounded T = 1 loop forwarded the root alone on 58% of
+    its steps and 5 tokens on 40%: a mean t(k) 0.89 t(1) where t(round(2.65)) read 1.00; its overhead
+    taken beside t(3) priced the loop's own verification 10% below what it measured)."""
+    law = _loop_forward_law(profile)
+    if law:
+        table = MeasuredCost.from_mapping(profile.t_n_ratios)
+        return sum(p * float(table.time(n)) for n, p in law.items())
+    return float(profile.t_n_ratios[int(profile.extra["loop_verify_forward_tokens"])])
 
 
 def forward_excess_ratio(profile: Profile, n: int) -> float:
@@ -335,12 +364,13 @@ def forward_excess_ratio(profile: Profile, n: int) -> float:
     read through its kernel made the excess nearly a constant per forward: in proportion, the quiet sweep's
     26–64-node trees read their verification +10% on average (30 rows; +0.6% with the float32 cache's
     SDPA, where the excess did grow with t(n))."""
-    excess = loop_forward_excess(profile) or 0.0
+    excess = loop_forward_excess(profile)
     table = MeasuredCost.from_mapping(profile.t_n_ratios)
     t_n = float(table.time(n))
-    forward = profile.extra.get("loop_verify_forward_tokens")
+    if excess is None:
+        return 0.0
     wide = {int(k): float(v) for k, v in (profile.extra.get("loop_verify_wide") or {}).items()}
-    t_f = profile.t_n_ratios.get(int(forward)) if forward else None
+    t_f = loop_forward_ratio(profile)
     big = max(wide, default=0)
     if not t_f or big not in profile.t_n_ratios or profile.t_n_ratios[big] <= t_f:
         return excess * t_n
