@@ -40,6 +40,11 @@ TERM_GROUP = {"acceptance": "acceptance model", "truncation": "acceptance model"
 # costs are not a verdict on the model (methods.measurement.cost_table.MAX_TIMING_DISPERSION, same bound)
 MAX_DISPERSION = 0.25
 PRED = "_this_device"  # the prediction validated on this device (methods.measurement.profiles)
+# the profile's t(1) this far off the run's own baseline step: the two were timed on a machine in another
+# state (on the quiet sweeps, mostly another process: |t1_pred / t1_meas − 1| read 4.6% on average where
+# the row's own process calibrated the profile, 8.5% where a cached one served it; those rows' speedup
+# errors were within 10% for 81% and 75% of them), so the costs' ratios to t(1) may not be this run's
+T1_OFF = 0.10
 
 
 def _num(df: pd.DataFrame, col: str) -> pd.Series:
@@ -185,6 +190,9 @@ def diagnose(r: dict) -> str:
                 profile, run = _fmt_pct(r.get("timing_dispersion")), _fmt_pct(r.get("run_t1_dispersion"))
                 notes[-1] += (f", timed on a busy machine (timing dispersion: profile {profile}, run {run}"
                               f" > {MAX_DISPERSION:.0%})")
+            load = r.get("load")
+            if top not in ("acceptance", "truncation") and load is not None and abs(load) > T1_OFF:
+                notes[-1] += f", the profile's t(1) {load:+.0%} off this run's own"
         else:
             notes.append(f"S {r['speedup_err']:+.1%}: no predicted parts to split it")
     return "; ".join(notes)

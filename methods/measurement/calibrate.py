@@ -55,6 +55,7 @@ from methods.measurement.cost_table import (
     TIMING_ATTEMPTS,
     VCHAIN,
     VERIFY,
+    VLOOP,
     VSTEP,
     CostTable,
     cost_table,
@@ -459,16 +460,18 @@ def _depth_run(run: _Run, n_prompts: int, new_tokens: int
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
 
 
-def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dict]:
+def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None) -> list[dict]:
     """Interleaved timing (methods.core.timing.interleaved): per round one autoregressive decode (the loop's
     step, t(1)), one decode with the drafter (seconds per draft step: one draft forward per level, or one
     pass for a single-pass drafter; the loop's verification per speculation step) and, for each size, the
     median of FORWARD_REPEAT tree forwards after ``context`` (t(n)). Round r decodes calibration prompt r
-    (cycling)."""
+    (cycling). ``wide`` (:func:`wide_drafter`): the drafter on a wide tree, decoded once per round for the
+    loop's verification per step on that tree (its forward and walk are timed beside ``sizes``')."""
     cal, m = run.cfg.calibration, run.cfg.method
     levels = max(run.tree.depth if m.draft_steps == "depth" else 1, 1)
-    trees, tokens = star_inputs(run.target, sizes, run.cfg.seed)
-    prompt = {"ar": 0, "spec": 0, **{name: 0 for name in DRAFT_SHAPES}}
+    timed = sorted({*sizes, *([wide.tree.size] if wide is not None else [])})  # forwards and walks
+    trees, tokens = star_inputs(run.target, timed, run.cfg.seed)
+    prompt = {"ar": 0, "spec": 0, "wide": 0, **{name: 0 for name in DRAFT_SHAPES}}
 
     def next_prompt(path: str) -> torch.Tensor:
         i, prompt[path] = prompt[path], prompt[path] + 1
@@ -495,8 +498,12 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
             out[(QSHAPE, name)] = r.time_draft_s / max(r.n_target_forwards, 1)
         return out
 
+    def widened() -> dict:  # the loop's verification per step on the wide tree, on the round's prompt
+        r = decode(run.target, wide, next_prompt("wide"), _spec_opts(run), run.generator)
+        return {(VLOOP, wide.tree.size): r.time_verify_s / max(r.n_target_forwards, 1)}
+
     shared = {"on": True}
-    checks = _verify_inputs(run, sizes)
+    checks = _verify_inputs(run, timed)
     levels_in = _draft_level_inputs(run, sizes)
     passes = _pass_inputs(run, context, sizes)
 
@@ -516,7 +523,8 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
             out.update({SHARED: ratio * out[run.tree.size]} if shared["on"] else {})
         return out
 
-    return interleaved([ar, spec, forwards, *([shaped] if shapes else [])], cal.reps, cal.warmup)
+    paths = [ar, spec, forwards, *([shaped] if shapes else []), *([widened] if wide is not None else [])]
+    return interleaved(paths, cal.reps, cal.warmup)
 
 
 # the trees besides the calibration's chain of D on which a level-by-level drafter's loop is timed: with the
@@ -552,6 +560,40 @@ def shape_names(cfg: RunConfig) -> list[str]:
     """The shapes of DRAFT_SHAPES ``cfg``'s verifier verifies, and the calibration's own chain."""
     chains_only = Verifier(cfg.method.verifier) == Verifier.chain
     return [LOOP_SHAPE, *(name for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only)]
+
+
+# the loop's verification is also timed on a tree this wide (its drafter's loop, once per round), beside its
+# own chain: what the verify forward costs in the loop beyond the timed t(n) (the drafter's work between
+# two forwards leaves the target's caches cold) is measured at two sizes, not taken in proportion to t(n)
+# from the chain alone. In proportion, the zoo's 26-64-node trees read their verification 10% dear on
+# average with the bf16 cache's kernel (quiet sweep, 30 rows; about right with the float32 cache's SDPA)
+WIDE_NODES = 32
+
+
+def wide_tree(n: int = WIDE_NODES) -> Tree:
+    """The binary tree of n nodes (node i's parent (i − 1) // 2): the shape the walk is timed on per size."""
+    return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
+
+
+def times_wide_loop(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
+    """Whether calibration times the loop's verification on a wide tree (:func:`wide_drafter`): a drafter
+    built on any tree level by level (the shapes' drafters) or a one-pass drafter following its tree
+    (Medusa's ``with_tree``), whose own tree is smaller, under a verifier of trees; ``drafter`` an instance
+    or its class."""
+    if Verifier(cfg.method.verifier) == Verifier.chain or tree.size >= WIDE_NODES:
+        return False
+    return times_draft_shapes(drafter, cfg, tree) or times_pass_per_tree(drafter, cfg)
+
+
+def wide_drafter(run: _Run) -> Any | None:
+    """The drafter on a tree of about WIDE_NODES nodes (None where :func:`times_wide_loop` is false): a
+    one-pass drafter on its own kind of tree as deep as it drafts (pass_tree), else on :func:`wide_tree`."""
+    if not times_wide_loop(run.drafter, run.cfg, run.tree):
+        return None
+    if times_pass_per_tree(run.drafter, run.cfg):
+        top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
+        return run.drafter.with_tree(pass_tree(WIDE_NODES, int(run.drafter.max_depth), top_k))
+    return build_drafter(run.cfg.method, wide_tree(), run.models, run.sampling)
 
 
 LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
@@ -889,13 +931,15 @@ class _Measured:
     replay: dict[str, Any] | None = None  # multi_draft_replay's (drafters merging several draft models)
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
+    wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
 
 
-def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple[CostTable, list[dict]]:
+def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
+                 ) -> tuple[CostTable, list[dict]]:
     """The cost table, timed again (up to TIMING_ATTEMPTS) while its rounds scatter beyond the bound."""
     attempts: list[dict[str, float]] = []
     for attempt in range(1, TIMING_ATTEMPTS + 1):
-        table = cost_table(_cost_rounds(run, context, sizes))
+        table = cost_table(_cost_rounds(run, context, sizes, wide))
         attempts.append(table.dispersion)
         why = scatter_reason(table.dispersion)
         if not why:
@@ -929,10 +973,12 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # zoo's union of 3 chains of 4 verified 5-9 of its 13 nodes; beside t(13) its overhead read 0)
     forward = loop_forward_tokens(cfg, run, drafted)
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
-    table, attempts = _timed_table(run, context, sizes)
+    wide = wide_drafter(run)  # every step's draft counted, the generation's cut last ones too (depth 0)
+    wide = SizeRecorder(wide, 0) if wide is not None else None
+    table, attempts = _timed_table(run, context, sizes, wide)  # its tree's t(n) and walk too
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay, drafted, recorder.level_means)
+                          replay, drafted, recorder.level_means, wide.sizes if wide is not None else {})
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -958,6 +1004,11 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # verification overhead of a tree of n nodes is the loop's measured one + v(n) − v(0)
         "verify_step_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VSTEP},
         "verify_chain_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VCHAIN},
+        # the loop's verification per step / t(1) with the drafter on a wide tree of n nodes (its forward's
+        # excess over t(n) at a second size: profiles.forward_excess_ratio)
+        "loop_verify_wide": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == VLOOP},
+        # and how many of its verify forwards had each size (the steps at the generation's end draft fewer)
+        "loop_verify_wide_sizes": {str(n): c for n, c in sorted(m.wide_sizes.items())},
         # one draft level fed w nodes / t(1) (draft-model drafters), and how many draft models run each level
         "draft_level_ratios": {str(n): r for (kind, n), r in t.verify_step_ratios.items() if kind == QLEVEL},
         "draft_models": (_draft_modes(run) or ("", 0))[1],
@@ -1142,6 +1193,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
     timed = {s["shape"] for s in profile.extra.get("draft_shape_ratios") or [] if "fed" in s}
     if times_draft_shapes(kind, cfg, depth_tree(cfg)) and not timed >= set(shape_names(cfg)):
         return "the loop's draft not timed on every tree shape (an older calibration)"
+    if times_wide_loop(kind, cfg, depth_tree(cfg)) and not profile.extra.get("loop_verify_wide"):
+        return "the loop's verification not timed on a wide tree (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

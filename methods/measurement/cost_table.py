@@ -36,6 +36,10 @@ QPASS_CHAIN, QPASS = "qpass_chain", "qpass"
 # (QSHAPE, name): the drafter's draft per speculation step in the decode loop on the tree ``name``
 # (methods.measurement.calibrate.DRAFT_SHAPES; "loop": the calibration's own chain)
 QSHAPE = "qshape"
+# (VLOOP, n): the loop's verification per speculation step (verify forward and walk) with the drafter built
+# on a wide tree of n nodes, beside VERIFY on its own tree: how the forward's excess over the timed t(n)
+# grows with the tree (methods.measurement.profiles.forward_excess_ratio)
+VLOOP = "vloop"
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,11 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     # ~0.1 ms verification walks), as the loop's drafts per tree shape price a level-by-level drafter's: a
     # busy phase that hits them makes no profile either
     passes = {k: ratios(rounds, k, T_AR) for k in rounds[0]
-              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE)}
+              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
     dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE)}
+             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
                      steps)

@@ -297,7 +297,8 @@ def to_measured_cost(profile: Profile, chain: bool = False) -> MeasuredCost:
         elif excess is None:  # profiles without the per-size walk: the loop's overhead, a constant
             table[n] = t + profile.verify_overhead_s + verify_growth_s(profile, n, chain)
         else:
-            table[n] = t * (1 + excess) + verify_walk_s(profile, n, chain)
+            excess_s = forward_excess_ratio(profile, n) * profile.t_ar_s  # the loop's forward beyond t(n)
+            table[n] = t + excess_s + verify_walk_s(profile, n, chain)
     if profile.t_ar_s > 0:
         table[1] = profile.t_ar_s  # the autoregressive step's own verification is in it already
     return MeasuredCost.from_mapping(table)
@@ -311,7 +312,8 @@ def loop_forward_excess(profile: Profile) -> float | None:
     proportion to its size: 0.12–0.39 t(f) on the zoo where the walk and the commit take 0.02–0.05.
     Priced as a constant, a 64-node Medusa tree's verification read 3–10% low on the quiet sweep and
     SpecInfer's 61 nodes 9–20% (docs/validation.md). None without the per-size walk timings (older
-    profiles, vLLM's own engine): the constant overhead then."""
+    profiles, vLLM's own engine): the constant overhead then. The excess at the loop's own tree; at other
+    sizes :func:`forward_excess_ratio`."""
     steps = profile.extra.get("verify_step_ratios") or {}
     forward = profile.extra.get("loop_verify_forward_tokens")
     if profile.verify_overhead_ratio <= 0 or "0" not in steps or not forward:
@@ -319,7 +321,67 @@ def loop_forward_excess(profile: Profile) -> float | None:
     t_f = profile.t_n_ratios.get(int(forward))
     if not t_f:
         return None
+    law, verify = _loop_forward_law(profile), profile.extra.get("verify_per_speculation_step_s")
+    if law and verify and profile.t_ar_s > 0:  # the loop's forwards of several sizes: beside their mean t
+        t_mean = loop_forward_ratio(profile)
+        return max(0.0, (float(verify) / profile.t_ar_s - t_mean - float(steps["0"])) / t_mean)
     return max(0.0, (profile.verify_overhead_ratio - float(steps["0"])) / float(t_f))
+
+
+def _loop_forward_law(profile: Profile) -> dict[int, float] | None:
+    """The law of the calibration loop's verify forward sizes where they varied (``loop_verify_sizes``,
+    more than one size each on at least SHORT_DRAFTS of the steps) and their mean is the forward its
+    overhead was taken beside (``loop_verify_forward_tokens``, rounded); else None."""
+    counts = {int(n): float(c) for n, c in (profile.extra.get("loop_verify_sizes") or {}).items()}
+    total = sum(counts.values())
+    forward = profile.extra.get("loop_verify_forward_tokens")
+    if total <= 0 or not forward or sum(c >= SHORT_DRAFTS * total for c in counts.values()) < 2:
+        return None
+    law = {n: c / total for n, c in counts.items()}
+    return law if round(sum(n * p for n, p in law.items())) == int(forward) else None
+
+
+def loop_forward_ratio(profile: Profile) -> float:
+    """The calibration loop's verify forward, / t(1): t(f) of its forward of f tokens, or where its drafts'
+    sizes varied, their mean t(k) (prompt lookup's grounded T = 1 loop forwarded the root alone on 58% of
+    its steps and 5 tokens on 40%: a mean t(k) 0.89 t(1) where t(round(2.65)) read 1.00; its overhead
+    taken beside t(3) priced the loop's own verification 10% below what it measured)."""
+    law = _loop_forward_law(profile)
+    if law:
+        table = MeasuredCost.from_mapping(profile.t_n_ratios)
+        return sum(p * float(table.time(n)) for n, p in law.items())
+    return float(profile.t_n_ratios[int(profile.extra["loop_verify_forward_tokens"])])
+
+
+def forward_excess_ratio(profile: Profile, n: int) -> float:
+    """What the loop's verify forward of n nodes costs beyond the timed t(n), / t(1): E(f) = excess · t(f)
+    at the loop's own forward of f tokens (:func:`loop_forward_excess`), and where the calibration timed
+    the loop on a wide tree of N nodes (``loop_verify_wide``), E = its verification − the mean t(s) of its
+    forwards' sizes s (``loop_verify_wide_sizes``: the generation's last steps draft fewer, a mean 27 of 32
+    nodes for EAGLE's binary tree over 32 new tokens) − the walk of N nodes; between and beyond, E grows
+    linearly in t(n) through the two (a slope ≥ 0, E ≥ 0). In
+    proportion to t(n) (E(f) · t(n) / t(f)) where the wide tree was not timed. On the zoo, the bf16 cache
+    read through its kernel made the excess nearly a constant per forward: in proportion, the quiet sweep's
+    26–64-node trees read their verification +10% on average (30 rows; +0.6% with the float32 cache's
+    SDPA, where the excess did grow with t(n))."""
+    excess = loop_forward_excess(profile)
+    table = MeasuredCost.from_mapping(profile.t_n_ratios)
+    t_n = float(table.time(n))
+    if excess is None:
+        return 0.0
+    wide = {int(k): float(v) for k, v in (profile.extra.get("loop_verify_wide") or {}).items()}
+    t_f = loop_forward_ratio(profile)
+    big = max(wide, default=0)
+    if not t_f or big not in profile.t_n_ratios or profile.t_n_ratios[big] <= t_f:
+        return excess * t_n
+    sizes = {int(k): float(c) for k, c in (profile.extra.get("loop_verify_wide_sizes") or {big: 1}).items()}
+    e_f = excess * t_f
+    t_big = sum(c * float(table.time(k)) for k, c in sizes.items()) / sum(sizes.values())
+    if t_big <= t_f:
+        return excess * t_n
+    e_big = max(0.0, wide[big] - t_big - verify_walk_s(profile, big) / profile.t_ar_s)
+    slope = max(0.0, (e_big - e_f) / (t_big - t_f))
+    return max(0.0, e_f + slope * (t_n - t_f))
 
 
 def verify_walk_s(profile: Profile, n: int, chain: bool = False) -> float:
@@ -672,15 +734,14 @@ SHORT_DRAFTS = 0.01  # drafts shorter than the tree, at least this share of the 
 
 def loop_verify_s(profile: Profile, n: int, chain: bool = False) -> float | None:
     """One verification of an n-node draft in the speculative loop, the root alone (n = 1) included:
-    t(n)·(1 + excess) + the walk (:func:`loop_forward_excess`). A root-only step of the speculative loop
-    pays the drafter's work between its forwards like any other, so it is not the autoregressive loop's
-    t(1): priced so, prompt lookup's steps read 5% below the loop's own verification on the calibration
-    split. None without the per-size walk timings."""
-    excess = loop_forward_excess(profile)
-    if excess is None:
+    t(n) + its excess in the loop (:func:`forward_excess_ratio`) + the walk. A root-only step of the
+    speculative loop pays the drafter's work between its forwards like any other, so it is not the
+    autoregressive loop's t(1): priced so, prompt lookup's steps read 5% below the loop's own verification
+    on the calibration split. None without the per-size walk timings."""
+    if loop_forward_excess(profile) is None:
         return None
     forward = float(MeasuredCost.from_mapping(profile.t_n).time(n))
-    return forward * (1 + excess) + verify_walk_s(profile, n, chain)
+    return forward + forward_excess_ratio(profile, n) * profile.t_ar_s + verify_walk_s(profile, n, chain)
 
 
 def _sized_summary(base: dict[str, Any], law: dict[int, float], verify_s: Callable[[int], float]

@@ -202,6 +202,22 @@ def test_a_machine_slower_than_at_calibration_moves_no_term():
     assert t[list(TERMS)].abs().max() < 1e-9
 
 
+def test_a_cost_miss_beside_a_profile_t1_off_the_runs_says_so():
+    """A cost-driven miss where the profile's t(1) is more than T1_OFF off the run's own names it (the
+    profile's ratios were timed on a machine in another state); an acceptance-driven miss does not."""
+    off = errors(pd.DataFrame([_run(predicted_t_ar_s_this_device=0.0085,
+                                    predicted_t_draft_s_this_device=0.00425,
+                                    predicted_t_verify_s_this_device=0.02)])).loc[0]
+    assert off["load"] == pytest.approx(-0.15) and "mostly verify" in off["diagnosis"]
+    assert "t(1) -15% off this run's own" in off["diagnosis"]
+    near = errors(pd.DataFrame([_run(predicted_t_verify_s_this_device=0.025)])).loc[0]
+    assert "off this run's" not in near["diagnosis"]
+    tau = errors(pd.DataFrame([_run(predicted_tau=3.6, predicted_t_ar_s_this_device=0.0085,
+                                    predicted_t_draft_s_this_device=0.00425,
+                                    predicted_t_verify_s_this_device=0.01275)])).loc[0]
+    assert "mostly acceptance" in tau["diagnosis"] and "off this run's" not in tau["diagnosis"]
+
+
 def test_a_predicted_cut_at_max_new_tokens_matches_the_measured_one():
     # the simulator's τ_N (tokens per forward for max_new_tokens) equals the measured 24 tokens / 10 forwards
     run = _run(n_tokens=24, predicted_tokens_per_forward=2.4)

@@ -18,10 +18,13 @@ import methods.measurement.calibrate as calibrate_module
 import methods.measurement.cost_table as cost_table_module
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams
+from methods.drafters.registry import drafter_class
 from methods.measurement.calibrate import (
+    WIDE_NODES,
     Star,
     StarRule,
     calibrate,
+    depth_tree,
     ensure_profile,
     measure_profile,
     pass_tree,
@@ -29,6 +32,7 @@ from methods.measurement.calibrate import (
     remeasure_reason,
     star_children,
     star_ranks,
+    times_wide_loop,
 )
 from methods.measurement.profiles import (
     Profile,
@@ -39,6 +43,7 @@ from methods.measurement.profiles import (
     draft_terms,
     load_profile,
     loop_forward_excess,
+    loop_verify_s,
     measured_acceptance,
     prediction_metrics,
     profile_key,
@@ -132,11 +137,13 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     prof = ensure_profile(cfg, tiny_models, show_progress=False)
     _valid_vector(prof.acceptance_vector, 8)
     loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
-    assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
+    # and the wide tree the loop's verification is timed on (its forward's excess at a second size)
+    assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree, WIDE_NODES})
+    assert all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
     shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4")}  # the loop's draft per shape
     assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
-                                           *shapes}
+                                           *shapes, f"vloop({WIDE_NODES})/t1"}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
     overhead = prof.extra["verify_per_speculation_step_s"] - prof.t_n[loop_tree]
     assert prof.verify_overhead_s == pytest.approx(max(0.0, overhead))
@@ -198,7 +205,7 @@ def test_calibrate_task_writes_profile_and_metrics(run_config, cache, tmp_path):
     assert read_json(tmp_path / "run" / "profile.json")["key"] == res.profile.key
     m = res.metrics
     _valid_vector(m["acceptance_vector"], 8)
-    sizes = sorted({*BUDGETS, res.profile.extra["loop_tree_size"]})
+    sizes = sorted({*BUDGETS, res.profile.extra["loop_tree_size"], WIDE_NODES})
     assert m["t_n_tokens"] == sizes and len(m["t_n_s"]) == len(sizes)
     assert m["verify_overhead_s"] == res.profile.verify_overhead_s >= 0
     assert m["profile_path"] == str(res.path)
@@ -295,6 +302,59 @@ def test_loop_forward_excess_scales_with_the_tree():
     untimed = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_forward_tokens": 5})
     assert loop_forward_excess(untimed) is None  # t(5) not timed: the constant overhead
     assert to_measured_cost(untimed).time(64) == pytest.approx(prof.t_n[64] + 2e-4 + (0.3 - 0.05) * t1)
+
+
+def test_the_loops_forward_excess_is_measured_on_a_wide_tree():
+    """Where the calibration timed the loop's verification on a wide tree too, the forward's excess over the
+    timed t(n) is the line in t(n) through the two measured excesses (the loop's own tree and the wide one):
+    each tree is priced at what the loop measured on it, sizes between on the line, and an excess no larger
+    on the wide tree than on the chain stays the chain's (a constant, never less). Taken in proportion to
+    t(n), the zoo's 26-64-node trees read their verification 10% dear with the bf16 cache's kernel."""
+    t1 = 1.1e-3
+    prof = dataclasses.replace(_profile(), verify_overhead_ratio=0.25)
+    prof.extra.update(verify_step_ratios={"0": 0.05, "32": 0.1, "64": 0.2}, loop_verify_forward_tokens=4)
+    t4, t16, t32, t64 = (prof.t_n_ratios[n] for n in (4, 16, 32, 64))
+    e4 = 0.25 - 0.05  # the loop's excess at its own forward, in t(1)
+    e32 = e4 + 0.1  # grows a little with the tree: less than in proportion (e4 · t32 / t4)
+    assert e32 < loop_forward_excess(prof) * t32
+    measured = t32 + e32 + 0.1  # the loop's verification per step on the wide tree, / t(1)
+    wide = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": measured}})
+    cost = to_measured_cost(wide)
+    assert cost.time(4) == pytest.approx(prof.t_n[4] + 0.25 * t1)  # the loop's own verification
+    assert cost.time(32) == pytest.approx(measured * t1)  # the wide loop's own verification
+    slope = (e32 - e4) / (t32 - t4)
+    # 16 on the line (its walk not timed: the loop tree's)
+    assert cost.time(16) == pytest.approx(prof.t_n[16] + (e4 + slope * (t16 - t4) + 0.05) * t1)
+    assert cost.time(64) == pytest.approx(prof.t_n[64] + (e4 + slope * (t64 - t4) + 0.2) * t1)
+    assert cost.time(64) < to_measured_cost(prof).time(64)  # below the pricing in proportion
+    assert cost.time(1) == pytest.approx(t1)
+    assert loop_verify_s(wide, 32) == pytest.approx(measured * t1)
+    flat = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": t32 + 0.1}})  # no excess
+    assert to_measured_cost(flat).time(64) == pytest.approx(prof.t_n[64] + (e4 + 0.2) * t1)  # the chain's
+    # a fifth of the wide loop's forwards were of 16 nodes (its last steps draft fewer): E beside their mean t
+    t_mix = 0.8 * t32 + 0.2 * t16
+    cut = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"32": t_mix + e32 + 0.1},
+                                           "loop_verify_wide_sizes": {"32": 8, "16": 2}})
+    e64 = e4 + (e32 - e4) / (t_mix - t4) * (t64 - t4)
+    assert to_measured_cost(cut).time(64) == pytest.approx(prof.t_n[64] + (e64 + 0.2) * t1)
+    untimed = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_wide": {"48": 9.0}})  # no t(48)
+    assert to_measured_cost(untimed).time(64) == pytest.approx(to_measured_cost(prof).time(64))
+
+
+def test_a_profile_without_the_wide_loop_is_measured_again(run_config):
+    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    assert "wide tree" in remeasure_reason(prof, cfg)
+    prof.extra.update(loop_verify_wide={"32": 3.0})
+    assert remeasure_reason(prof, cfg) == ""
+    chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
+                       "tree.budgets=[1,2,4,8]")  # a verifier of chains verifies no wide tree
+    assert times_wide_loop(drafter_class("draft_model"), chain, depth_tree(chain)) is False
+    lookup = run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")  # no drafter on another tree
+    assert times_wide_loop(drafter_class("prompt_lookup"), lookup, depth_tree(lookup)) is False
+    medusa = run_config("method=medusa", "tree=sequoia", "tree.budgets=[1,2,4,8]")  # its pass per tree
+    assert times_wide_loop(drafter_class("medusa"), medusa, depth_tree(medusa)) is True
 
 
 def test_draft_levels_scale_the_loops_level_by_the_timed_growth():
@@ -607,6 +667,11 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
     assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8)}  # the loop on each
     assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
+    # the loop's verification on a wide tree, and that tree's forward, in the same rounds
+    assert set(prof.extra["loop_verify_wide"]) == {str(WIDE_NODES)} and WIDE_NODES in prof.t_n_ratios
+    assert prof.extra["loop_verify_wide"][str(WIDE_NODES)] > 0
+    drafted = {int(n) for n in prof.extra["loop_verify_wide_sizes"]}  # its forwards' sizes
+    assert WIDE_NODES in drafted and all(1 <= n <= WIDE_NODES for n in drafted)
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
 
@@ -1026,7 +1091,8 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
+                      loop_verify_wide={"32": 3.0})
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)

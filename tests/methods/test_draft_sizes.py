@@ -106,6 +106,25 @@ def test_short_drafts_price_the_loops_own_verification_at_calibration(run_config
     assert here["t_verify_s"] > 0.5 * t1 + 0.5 * float(to_measured_cost(prof, chain=True).time(3))
 
 
+def test_short_drafts_on_a_bent_t_n_price_the_loops_own_verification(run_config):
+    """The loop forwarded the root alone on most steps and its full chain on the rest (prompt lookup's
+    grounded T = 1 loop: 58% and 40%, a mean 2.65 tokens); t(n) bends (0.80 at 1, 1.00 from 3): its
+    overhead taken beside the mean t(k) of its sizes, not beside t(3) of their rounded mean, prices the
+    loop's own law at its measured verification (beside t(3), 10% below it on the quiet sweep)."""
+    cfg = run_config("method=prompt_lookup", "tree=chain", "tree.gamma=4", "hardware=cpu")
+    t1, walk, loop_verify = 1e-3, 0.1, 1.1  # ratios of t(1); the loop's verification per step
+    bent = {1: 0.8, 2: 0.89, 3: 1.0, 4: 1.01, 5: 1.01, 8: 1.29}
+    prof = dataclasses.replace(_profile({"1": 585, "3": 13, "5": 408}), t_n_ratios=bent, t_ar_s=t1,
+                               verify_overhead_ratio=loop_verify - bent[3])
+    prof.extra.update(verify_step_ratios={"0": walk}, verify_chain_ratios={}, loop_verify_forward_tokens=3,
+                      verify_per_speculation_step_s=loop_verify * t1)
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    assert here["t_verify_s"] == pytest.approx(loop_verify * t1)
+    untimed = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
+                                               if k != "verify_per_speculation_step_s"})
+    assert tree_predictions(cfg, untimed, Tree.chain(4))[0]["t_verify_s"] < 0.95 * loop_verify * t1
+
+
 def test_prompt_lookup_profile_counts_its_draft_sizes(run_config, tiny_models, cache):
     cfg = run_config(*SMALL, "method=prompt_lookup", "tree.gamma=3")
     prof = measure_profile(cfg, tiny_models, show_progress=False)

@@ -11,7 +11,7 @@ import pytest
 
 import methods.measurement.calibrate as calibrate_module
 from methods.measurement.calibrate import calibrate, ensure_profile
-from methods.measurement.cost_table import DRAFT, QSHAPE, T_AR, TIMING_ATTEMPTS, VERIFY
+from methods.measurement.cost_table import DRAFT, QSHAPE, T_AR, TIMING_ATTEMPTS, VERIFY, VLOOP
 from methods.measurement.measure import measure
 from methods.measurement.profiles import (
     Profile,
@@ -29,11 +29,15 @@ SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=
          "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]", "method=vanilla")
 
 
-def _rounds(t1: list[float], sizes) -> list[dict]:
+def _rounds(t1: list[float], sizes, wide: int | None = None) -> list[dict]:
     """Scripted rounds on a machine whose slowdown is t1[r] / 1e-3: every cost scales with it (the draft
-    model's loop drafts 0.3 + 0.2 per level + 0.01 per node, the calibration's chain of 4 among them)."""
+    model's loop drafts 0.3 + 0.2 per level + 0.01 per node, the calibration's chain of 4 among them; its
+    loop verifies a ``wide``-node tree in 1.1 t(wide))."""
     shapes = {(QSHAPE, "loop"): 1.14, (QSHAPE, "chain1"): 0.51, (QSHAPE, "star8"): 0.58,
               (QSHAPE, "fan4"): 0.8}
+    if wide is not None:
+        sizes = sorted({*sizes, wide})
+        shapes[(VLOOP, wide)] = 1.1 * (1 + 0.05 * wide)
     return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes},
              **{k: r * a for k, r in shapes.items()}} for a in t1]
 
@@ -43,9 +47,10 @@ def _script(monkeypatch, *series: list[float]) -> list[int]:
     if the calibration times more often); returns the list the calls are counted in."""
     calls: list[int] = []
 
-    def scripted(run, context, sizes):
+    def scripted(run, context, sizes, wide=None):
         calls.append(1)
-        return _rounds(series[(len(calls) - 1) % len(series)], sizes)
+        size = None if wide is None else wide.tree.size
+        return _rounds(series[(len(calls) - 1) % len(series)], sizes, size)
 
     monkeypatch.setattr(calibrate_module, "_cost_rounds", scripted)
     return calls
@@ -111,6 +116,7 @@ def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profi
                    timing_dispersion={"t1": 0.02},
                    extra={"verify_step_ratios": {"0": 0.02, "8": 0.05},
                           "loop_verify_sizes": {"5": 40},  # as a current calibration has
+                          "loop_verify_wide": {"32": 2.0},
                           "draft_shape_ratios": [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
                                                   "ratio": r} for s, fed, n, r in SHAPES]})
     save_profile(prof, profile_path(cfg))
