@@ -78,8 +78,8 @@ def test_rows_come_natural_trees_first_then_workloads_then_trees_then_temperatur
 def test_high_variance_methods_decode_more_test_prompts():
     """SpecInfer's τ varies most per step, prompt lookup's per prompt: their rows decode more test prompts,
     unless the sweep sets them."""
-    assert vr.PROMPTS["prompt_lookup"] >= 16
-    for r in vr.rows(["specinfer", "prompt_lookup", "vanilla"], workloads=["prose", "grounded"]):
+    assert vr.PROMPTS["prompt_lookup"] >= 16 and vr.PROMPTS["online"] >= 16
+    for r in vr.rows(["specinfer", "prompt_lookup", "online", "vanilla"], workloads=["prose", "grounded"]):
         prompts = [o for o in r.overrides if o.startswith("workload.num_prompts=")]
         more = [f"workload.num_prompts={vr.PROMPTS[r.method]}"] if r.method in vr.PROMPTS else []
         assert prompts == more and (r.method == "vanilla") == (not more)
