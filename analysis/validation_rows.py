@@ -72,8 +72,10 @@ DETERMINISTIC_AT_T1 = ("autoregressive", "prompt_lookup", "lookahead", "staged",
 # τ to 9–10% (one standard error); grounded T = 1 read +27.8% on 4 prompts and +12.6% on 16 (4.5%). Prompt
 # lookup's τ is a property of the prompt (how much of it the continuation copies: 1.07–1.85 per prompt on
 # prose): its standard error across 4 prompts was 4–10%, across 16 3.5–4.3%; prose T = 0 read +7.2% on 4
-# prompts and −1.4% on 16. Its rows take no draft model: 16 prompts cost ~30 s a row more.
-PROMPTS = {"specinfer": 12, "prompt_lookup": 16}
+# prompts and −1.4% on 16. Its rows take no draft model: 16 prompts cost ~30 s a row more. Online SD's draft
+# is weak (p_1 0.08-0.6) and its τ varies by prompt: code T = 1 read +17.2% (s.e. 4.8%) on 4 prompts, whose
+# own loop accepted 0.22 at depth 1 where the split's 16 prompts' stars read 0.315; −2.8% (s.e. 3.0%) on 16.
+PROMPTS = {"specinfer": 12, "prompt_lookup": 16, "online": 16}
 # test prompts of a (workload, temperature), for every method (the larger count wins): greedy decoding
 # continues each prompt one way, so a T = 0 row's acceptance is that of its prompts' fixed continuations.
 # The experiment's 4 code prompts are among the split's hardest for the draft models: on them every code

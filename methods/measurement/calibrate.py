@@ -392,27 +392,35 @@ def _trajectories(run: _Run) -> list[torch.Tensor]:
     return seqs
 
 
-def _star_ranks(run: _Run, seqs: list[torch.Tensor]) -> list[list[int | None]]:
+def _star_ranks(run: _Run, seqs: list[torch.Tensor]
+                ) -> tuple[list[list[int | None]], list[list[list[int]]] | None]:
     """Accepted ranks of the star trees, per depth: [0] at every position (the positional vector); [d-1] for
     d >= 2 for drafters whose depth-d children come from their own law (Medusa's head d), verified against
     the target's law d-1 tokens further along the trajectory (the prefix the tree reached), and for
-    proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed."""
+    proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed.
+    Second: the same ranks per trajectory and depth, by root (−1: none accepted), where they are the greedy
+    loop's own (a law's top-W stars at temperature 0: specsim.replay), else None."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
     ranks: list[list[int | None]] = [[] for _ in range(depths)]
+    runs: list[list[list[int]]] | None = [] if law is not None and not rule.sample else None
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
         out = _forward_all(run.target, seq, hidden=want_hidden)
         stars = (_law_stars(run, law, rule, seq, out, roots, depths) if law is not None
                  else _by_depth(_proposed(run, seq, n_prompt, out.hidden, depths), depths))
+        mine: list[list[int]] = []
         for d, (parent, group) in enumerate(stars, 1):  # verified against p after the parent token
-            if group:
-                ranks[d - 1] += star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
-                                           run.generator, run.cfg.method.params)
+            got = star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
+                             run.generator, run.cfg.method.params) if group else []
+            ranks[d - 1] += got
+            mine.append([-1 if r is None else int(r) for r in got])  # a law's: root t's at [t]
+        if runs is not None:
+            runs.append(mine)
         run.bar.update()
-    return ranks
+    return ranks, runs
 
 
 def _spec_opts(run: _Run, new_tokens: int | None = None) -> DecodeOptions:
@@ -932,6 +940,7 @@ class _Measured:
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
     wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
+    rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (greedy law stars)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -957,7 +966,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # a loop drafter's acceptance: every calibration prompt through the loop, as long as the workload's
     # generations (Lookahead's window warms up and its pool fills as a generation goes on)
     loop = cfg.method.drafter in LOOP_DRAFTERS
-    ranks = [] if loop else _star_ranks(run, seqs)
+    ranks, runs = ([], None) if loop else _star_ranks(run, seqs)
     exit_table = exit_confidence(run, seqs)
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
@@ -978,7 +987,8 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     table, attempts = _timed_table(run, context, sizes, wide)  # its tree's t(n) and walk too
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
-                          replay, drafted, recorder.level_means, wide.sizes if wide is not None else {})
+                          replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
+                          runs)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1025,6 +1035,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was
         **_self_draft_extra(cfg, run, m),
         **({"multi_draft": m.replay} if m.replay is not None else {}),
+        # temperature 0: the accepted rank at every root, per trajectory and depth: τ of any tree by replaying
+        # the greedy loop on the trajectories (specsim.replay; profiles.replayed_law)
+        **({"rank_runs": m.rank_runs} if m.rank_runs else {}),
     }
 
 
@@ -1195,7 +1208,17 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "the loop's draft not timed on every tree shape (an older calibration)"
     if times_wide_loop(kind, cfg, depth_tree(cfg)) and not profile.extra.get("loop_verify_wide"):
         return "the loop's verification not timed on a wide tree (an older calibration)"
+    if records_rank_runs(cfg) and not profile.extra.get("rank_runs"):
+        return "no accepted rank per root to replay the greedy loop on (an older calibration)"
     return missing_self_draft(profile, cfg)
+
+
+def records_rank_runs(cfg: RunConfig) -> bool:
+    """Whether a calibration of ``cfg`` records each root's accepted rank per depth (_star_ranks' second
+    part): a drafter with a law here (not a loop drafter) at temperature 0."""
+    drafter = cfg.method.drafter
+    return (drafter in LAWS and drafter not in LOOP_DRAFTERS and not star_rule(cfg).sample
+            and cfg.workload.temperature == 0)
 
 
 def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:

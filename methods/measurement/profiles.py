@@ -32,6 +32,7 @@ from specsim.expected import tokens_per_forward
 from specsim.io import atomic_write_json, read_json
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
+from specsim.replay import RankRuns, loop_law
 from specsim.tree import Tree
 from specsim.trees import build_tree, recorded_law
 
@@ -679,6 +680,18 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
     return float(DraftCost(model=levels, fed_width=True).time(member, profile.t_ar_s))
 
 
+def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
+    """The law of τ of ``tree`` from the greedy loop replayed on the calibration's trajectories
+    (specsim.replay) at temperature 0, where the profile recorded each root's accepted rank per depth
+    (``rank_runs``); None otherwise (the measured vectors' law stands). The tree's children must be the
+    drafter's top-k under its law at the accepted prefix, as the greedy stars were: every static or Sequoia
+    tree of a law drafter."""
+    runs = profile.extra.get("rank_runs")
+    if not runs or cfg.workload.temperature != 0 or tree.size < 2:
+        return None
+    return loop_law(RankRuns.from_json(runs), tree)
+
+
 def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:
     """``base`` (priced on the merged budget) with τ and its finite-run cut taken from ``law``."""
     tau, step, ar = float(np.dot(np.arange(law.size), law)), base["t_step_s"], base["t_ar_s"]
@@ -789,6 +802,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
             here = _with_draft(here, draft)
         here = _law_summary(here, recorded_law(shapes, from_config(here_cfg.method.acceptance)), n)
         preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
+    replayed = replayed_law(cfg, profile, tree) if exits is None and multi is None and not shapes else None
+    if replayed is not None:  # temperature 0: the loop replayed on the calibration's trajectories
+        n = cfg.workload.max_new_tokens
+        here, preset = _law_summary(here, replayed, n), _law_summary(preset, replayed, n)
     sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
         def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)

@@ -17,6 +17,7 @@ from analysis import validation_rows as vr
 from analysis.validation_terms import (
     TERMS,
     errors,
+    steady_lengths,
     summary,
     tau_prompt_standard_error,
     tau_standard_error,
@@ -77,8 +78,8 @@ def test_rows_come_natural_trees_first_then_workloads_then_trees_then_temperatur
 def test_high_variance_methods_decode_more_test_prompts():
     """SpecInfer's τ varies most per step, prompt lookup's per prompt: their rows decode more test prompts,
     unless the sweep sets them."""
-    assert vr.PROMPTS["prompt_lookup"] >= 16
-    for r in vr.rows(["specinfer", "prompt_lookup", "vanilla"], workloads=["prose", "grounded"]):
+    assert vr.PROMPTS["prompt_lookup"] >= 16 and vr.PROMPTS["online"] >= 16
+    for r in vr.rows(["specinfer", "prompt_lookup", "online", "vanilla"], workloads=["prose", "grounded"]):
         prompts = [o for o in r.overrides if o.startswith("workload.num_prompts=")]
         more = [f"workload.num_prompts={vr.PROMPTS[r.method]}"] if r.method in vr.PROMPTS else []
         assert prompts == more and (r.method == "vanilla") == (not more)
@@ -238,6 +239,30 @@ def test_the_terms_add_up_to_the_log_error():
     log_err = np.log(df["predicted_speedup"] / df["decode_speedup"])
     assert np.allclose(c[list(TERMS)].sum(axis=1), log_err)
     assert c["residual"].abs().max() < 1e-12
+
+
+def test_steady_lengths_leave_out_the_steps_the_generations_end_cut():
+    # 12 tokens, a tree 4 deep: steps at 12, 9, 6 tokens left draft the whole tree; at 3 and 1 left the loop
+    # drafts at most 3 and 1 deep (ctx.max_new), whatever the acceptance
+    assert steady_lengths([3, 3, 3, 2, 1], 12, 4) == [3, 3, 3]
+    assert steady_lengths([5, 5, 1, 1], 12, 4) == [5, 5]  # 2 left after two steps of 5
+    assert steady_lengths([2], 1, 1) == [2]  # room 1 >= depth 1: the whole tree was drafted
+
+
+def test_tau_is_measured_on_the_steps_the_generations_end_did_not_cut():
+    """Two generations of 12 tokens by a chain of 4 accepting 2 drafts a step until the end, whose last steps
+    accept at most what is left: the loop's τ reads 24 / 10 = 2.4, the steady-state τ the model predicts
+    is 3. The cut is the truncation term's (τ_N = 2.4 predicted), so nothing misses."""
+    lengths = [[3, 3, 3, 2, 1], [3, 3, 3, 2, 1]]
+    run = _run(tau=2.4, accept_hist=[2, 2, 6], n_tokens=24, n_target_forwards=10, baseline_n_tokens=24,
+               baseline_n_target_forwards=24, time_total_s=0.21, baseline_time_s=0.26,
+               predicted_tokens_per_forward=2.4, prompt_accepted_lengths=lengths,
+               **{"workload.max_new_tokens": 12, "tree_depth": 4})
+    run["predicted_decode_speedup"] = 2.4 * 0.01 / 0.02
+    t = errors(pd.DataFrame([run])).loc[0]
+    assert t["tau_loop"] == pytest.approx(2.4) and t["tau_meas"] == pytest.approx(3.0)
+    assert t["tau_err"] == pytest.approx(0) and t["tau_ok"]
+    assert t["speedup_err"] == pytest.approx(0) and t[list(TERMS)].abs().max() < 1e-9
 
 
 def test_tau_standard_error():

@@ -1092,7 +1092,7 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
-                      loop_verify_wide={"32": 3.0})
+                      loop_verify_wide={"32": 3.0}, rank_runs=[[[0, -1]]])
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)
@@ -1105,3 +1105,56 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
                             chain) == ""  # a chain verifier: the chains alone are timed
     lookup = dataclasses.replace(old, drafter="prompt_lookup")  # no draft levels of its own: none timed
     assert remeasure_reason(lookup, run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")) == ""
+
+
+def test_a_greedy_profile_records_each_roots_accepted_rank(run_config, tiny_models, cache):
+    """Temperature 0: the accepted rank of every root's star, per trajectory and depth (what the greedy loop
+    walks: specsim.replay), the same ranks the positional vector counts; a sampled profile records none."""
+    prof = measure_profile(run_config(*SMALL, "method=vanilla"), tiny_models, show_progress=False)
+    runs = prof.extra["rank_runs"]
+    assert len(runs) == 2 and all(len(r) == 1 and len(r[0]) == 8 for r in runs)  # 2 prompts × 8 roots
+    width = prof.width
+    counts = np.bincount([width if r < 0 else r for p in runs for r in p[0]], minlength=width + 1)
+    assert counts.tolist() == prof.extra["rank_counts"]
+    sampled = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=sequoia")
+    assert "rank_runs" not in measure_profile(sampled, tiny_models, show_progress=False).extra
+
+
+def test_greedy_tau_is_the_loop_replayed_on_the_trajectories(run_config):
+    """A T = 0 profile with each root's rank: τ of the run's tree is the greedy loop replayed on them (runs of
+    three hits then a miss: every step of a chain of 4 accepts 3, τ = 4), not the vector's 3.05; its finite
+    run's cut and speedup follow the same law. At T = 1, or without the ranks, the vector's law stands."""
+    from methods.measurement.profiles import replayed_law
+    from specsim.expected import tokens_per_forward
+
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4", "workload.max_new_tokens=48")
+    prof = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.75, 0.0, 0.0, 0.25))
+    tree = Tree.chain(4)
+    vector_here, _ = tree_predictions(cfg, prof, tree)
+    assert vector_here["predicted_tau"] == pytest.approx(3.05078125)
+    prof.extra["rank_runs"] = [[[0, 0, 0, -1] * 12]]
+    here, preset = tree_predictions(cfg, prof, tree)
+    law = replayed_law(cfg, prof, tree)
+    assert here["predicted_tau"] == pytest.approx(4.0) == preset["predicted_tau"]
+    assert here["tokens_per_forward"] == pytest.approx(tokens_per_forward(law, 48))
+    assert here["t_step_s"] == vector_here["t_step_s"]  # the step is priced as before
+    assert here["predicted_speedup"] == pytest.approx(vector_here["predicted_speedup"] * 4.0 / 3.05078125)
+    sampled = run_config("method=vanilla", "tree=chain", "tree.gamma=4", "workload.temperature=1",
+                         "method.verifier=chain")
+    assert replayed_law(sampled, prof, tree) is None
+    assert tree_predictions(sampled, prof, tree)[0]["predicted_tau"] == pytest.approx(3.05078125)
+
+
+def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
+    from methods.measurement.calibrate import records_rank_runs
+
+    budgets = "tree.budgets=[1,2,4,8]"
+    cfg = run_config("method=vanilla", budgets)
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    assert records_rank_runs(cfg) and "accepted rank per root" in remeasure_reason(prof, cfg)
+    prof.extra["rank_runs"] = [[[0, -1]]]
+    assert remeasure_reason(prof, cfg) == ""
+    sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", budgets)
+    assert not records_rank_runs(sampled)
+    assert not records_rank_runs(run_config("method=prompt_lookup", budgets))  # no law: proposals

@@ -117,6 +117,7 @@ def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profi
                    extra={"verify_step_ratios": {"0": 0.02, "8": 0.05},
                           "loop_verify_sizes": {"5": 40},  # as a current calibration has
                           "loop_verify_wide": {"32": 2.0},
+                          "rank_runs": [[[0, 0, -1, 0]]],  # (greedy: each root's accepted rank)
                           "draft_shape_ratios": [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
                                                   "ratio": r} for s, fed, n, r in SHAPES]})
     save_profile(prof, profile_path(cfg))
