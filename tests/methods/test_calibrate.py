@@ -344,7 +344,7 @@ def test_the_loops_forward_excess_is_measured_on_a_wide_tree():
 def test_a_profile_without_the_wide_loop_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, rank_runs=[[[0, -1]]])
     assert "wide tree" in remeasure_reason(prof, cfg)
     prof.extra.update(loop_verify_wide={"32": 3.0})
     assert remeasure_reason(prof, cfg) == ""
@@ -1151,7 +1151,7 @@ def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     budgets = "tree.budgets=[1,2,4,8]"
     cfg = run_config("method=vanilla", budgets)
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, loop_verify_wide={"32": 3.0})
     assert records_rank_runs(cfg) and "accepted rank per root" in remeasure_reason(prof, cfg)
     prof.extra["rank_runs"] = [[[0, -1]]]
     assert remeasure_reason(prof, cfg) == ""
