@@ -63,6 +63,10 @@ def summary_lines(s: dict) -> list[str]:
         f"- speedup error: median {s['speedup_err_median']:.1%}, max {s['speedup_err_max']:.1%}; within 10%: "
         f"{s['share_speedup_within_10pct']:.0%} of rows",
         f"- both goals: {s['share_both']:.0%} of rows",
+        *([f"- the loop's own τ (the generation's cut last steps included) against the predicted τ with the "
+           f"end's cut (τ_N): median {s['loop_tau_err_median']:.1%}, max {s['loop_tau_err_max']:.1%}; "
+           f"within 3%: {s['share_loop_tau_within_3pct']:.0%} of {s['loop_tau_rows']} rows"]
+          if "loop_tau_rows" in s else []),
         f"- rows whose timings held (profile and run timing dispersion <= 25%): {s['rows_timings_held']}; "
         "their "
         f"speedup error: median {s['speedup_err_median_held']:.1%}, max {s['speedup_err_max_held']:.1%}, "

@@ -306,6 +306,20 @@ def test_summary_statistics():
     assert s["share_speedup_within_10pct"] == 0.5 and s["share_both"] == 0.5
 
 
+def test_the_loops_own_tau_is_compared_with_the_prediction_that_includes_the_ends_cut():
+    from analysis.validation_report import summary_lines
+
+    runs = [_run(tau=2.8, predicted_tokens_per_forward=2.8), _run(tau=2.5, predicted_tokens_per_forward=2.75)]
+    t = errors(pd.DataFrame(runs))
+    assert t["tau_loop_err"].tolist() == pytest.approx([0.0, 0.1])
+    s = summary(t)
+    assert s["loop_tau_rows"] == 2 and s["loop_tau_err_max"] == pytest.approx(0.1)
+    assert s["share_loop_tau_within_3pct"] == 0.5
+    assert any("loop's own τ" in line for line in summary_lines(s))
+    old = summary(errors(pd.DataFrame([_run()])))  # runs without τ_N: no such line
+    assert "loop_tau_rows" not in old and not any("loop's own" in x for x in summary_lines(old))
+
+
 def test_failed_and_unmeasured_runs_are_not_rows():
     df = pd.DataFrame([_run(), {"status": "failed", "method": "medusa"}, _run(status="missing")])
     assert len(errors(df)) == 1
