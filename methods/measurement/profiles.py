@@ -610,11 +610,19 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
     (``draft_levels``) is the loop's, all K models' forwards of one level of the union of K chains: priced on
     the member tree's widths it is the loop's own draft on the loop's own tree. Priced on the union's widths
     (K·w fed per level), the merged 61-node tree's draft read 6-28% above the measured one on the quiet
-    sweep (T = 0, and T = 1). None where the levels were not timed (the configured ratio per level stands)."""
+    sweep (T = 0, and T = 1). Where the calibration timed the loop on member trees of several shapes
+    (``draft_terms``), the member tree pays the loop's constant per step and its cost per member node as
+    well: at T = 1 every member node is a sampled child whose q row the merge stacks for the verifier, a
+    cost the loop's 4 levels of 3 nodes spread over its levels; the 61-node tree's 8 levels of 7.5 member
+    nodes read its draft 15-21% low on the quiet sweep at T = 1 (3-8% at T = 0). None where the levels were
+    not timed (the configured ratio per level stands)."""
     levels = draft_levels(cfg, profile)
     if levels is None or member.depth < 1:
         return None
-    return float(DraftCost(model=levels, fed_width=True).time(member, profile.t_ar_s))
+    terms = draft_terms(profile)
+    fixed, node = (0.0, 0.0) if terms is None else (terms[0], terms[2])
+    cost = DraftCost(fixed_ratio=fixed, node_ratio=node, model=levels, fed_width=True)
+    return float(cost.time(member, profile.t_ar_s))
 
 
 def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:

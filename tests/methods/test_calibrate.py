@@ -832,6 +832,10 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     assert prof.extra["loop_verify_forward_tokens"] == max(1, round(mean)) <= 1 + 3 * 3
     assert sum(prof.extra["loop_verify_level_sizes"]) == pytest.approx(mean)
     assert here["predicted_mean_verify_tokens"] == pytest.approx(mean)
+    # the loop timed on member trees of every shape (each draft model fills one); the loop on its member chain
+    shapes = {s["shape"]: s for s in prof.extra["draft_shape_ratios"]}
+    assert set(shapes) == {"loop", "chain1", "star8", "fan4"} and shapes["loop"]["nodes"] == 3
+    assert all(s["ratio"] > 0 for s in shapes.values())
 
 
 def test_specinfer_draft_is_priced_on_each_members_tree(run_config):
@@ -916,7 +920,8 @@ def test_specinfer_verify_is_priced_at_the_merged_trees_size(run_config):
 def test_specinfer_profile_without_merged_counts_is_measured_again(run_config):
     cfg = run_config("method=specinfer", "tree.budgets=[1,2,4,8]")
     prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10},
+                      draft_shape_ratios=_shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"])
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
                                            if k != "loop_verify_level_sizes"})
@@ -1021,6 +1026,39 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     chains = _shaped_profile(0.4, 0.2, 0.02, 0.06, trees=False)  # a chain verifier: a level carries its node
     assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0))
     assert draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": []})) is None
+
+
+def test_specinfer_member_tree_pays_the_loops_constant_and_its_cost_per_member_node(run_config):
+    """SpecInfer's loop timed on member trees of four shapes (each draft model fills the member tree, the K
+    drafts merged): the member tree is priced F + a · Σ g(w) + b · member nodes + e · wide levels, the
+    member chain of the loop at the loop's own draft. At T = 1 every member node is a sampled child whose q
+    row the merge stacks: priced by the loop's levels alone (4 levels of 3 nodes), the quiet sweep's 61-node
+    tree (8 levels of 7.5 member nodes) read its draft 15-21% low."""
+    from specsim.multidraft import union_tree
+
+    cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=4")
+    shaped = _shaped_profile(0.4, 0.2, 0.05, 0.06)  # the member chain of 4 is the loop's shape
+    prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
+    prof = dataclasses.replace(prof, draft_ratio=shaped.draft_ratio)
+    prof.extra.update(draft_level_ratios=dict(GROWTH), draft_shape_ratios=shaped.extra["draft_shape_ratios"])
+    t1 = prof.t_ar_s
+    loop = tree_predictions(cfg, prof, union_tree(Tree.chain(4), 3))[0]["t_draft_s"]
+    assert loop == pytest.approx((0.4 + 4 * 0.2 + 4 * 0.05) * t1)  # the loop's own draft per step
+    member = Tree.from_paths([[0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]])  # fed 1, 2, 4: 10 member nodes
+    priced = tree_predictions(cfg, prof, union_tree(member, 3))[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 2, 4]) + 0.05 * 10 + 2 * 0.06) * t1)
+    assert priced > prof.draft_time_s * _grown([1, 2, 4])  # the loop's level × the levels: the old, low price
+
+
+def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_config):
+    from methods.measurement.profiles import profile_config
+
+    cfg = profile_config(run_config("method=specinfer", "tree.budgets=[1,2,4,8]"))  # as measure calibrates
+    prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
+    assert "every tree shape" in remeasure_reason(prof, cfg)
+    prof.extra["draft_shape_ratios"] = _shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"]
+    assert remeasure_reason(prof, cfg) == ""
 
 
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
