@@ -1050,6 +1050,19 @@ def test_specinfer_member_tree_pays_the_loops_constant_and_its_cost_per_member_n
     assert priced > prof.draft_time_s * _grown([1, 2, 4])  # the loop's level × the levels: the old, low price
 
 
+def test_a_runs_metrics_keep_the_drafts_timings_behind_its_price(run_config):
+    """A profile timed on a busy machine is not cached: the run's metrics keep the draft's timed shapes,
+    levels and terms, so that its draft term can be re-priced afterwards."""
+    from methods.measurement.measure import calibrated_costs
+
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    out = calibrated_costs(run_config("method=vanilla"), prof)
+    assert out["calibration_draft_terms"] == pytest.approx([0.4, 0.2, 0.02, 0.06])
+    assert out["calibration_draft_shape_ratios"] == prof.extra["draft_shape_ratios"]
+    assert out["calibration_draft_level_ratios"] == GROWTH
+    assert "calibration_draft_terms" not in calibrated_costs(run_config("method=vanilla"), _profile())
+
+
 def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_config):
     from methods.measurement.profiles import profile_config
 
