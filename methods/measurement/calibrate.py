@@ -521,12 +521,14 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int]) -> list[dic
 
 # the trees besides the calibration's chain of D on which a level-by-level drafter's loop is timed: with the
 # chain they separate its draft per step into a constant, a cost per level, a cost per node and a cost per
-# level fed several nodes (the fan's second level: 4 nodes, a tree-masked draft forward): draft_terms.
-# Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8 tree read its draft 0.62 t(1) where
-# the loop drafted 0.99 (quiet sweep); with the star alone, the draft model's Sequoia trees read 13-18% low,
-# 0.05-0.09 t(1) per level fed more than one node (docs/validation.md)
+# level fed several nodes (the fans' second levels, fed 2 and 4 nodes: a tree-masked draft forward, and a cost
+# per further fed node): draft_terms. Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8
+# tree read its draft 0.62 t(1) where the loop drafted 0.99 (quiet sweep); with the star alone, the draft
+# model's Sequoia trees read 13-18% low, 0.05-0.09 t(1) per level fed more than one node; with the fan of 4
+# alone, SpecInfer's member tree at T = 1 (levels fed 3) read its draft +10-26% high (docs/validation.md)
 DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1),
-                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])}
+                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]]),
+                "fan2": Tree.from_paths([[0], [1], [0, 0], [1, 0]])}
 LOOP_SHAPE = "loop"
 
 

@@ -134,7 +134,7 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     loop_tree = prof.extra["loop_tree_size"]  # timed too: the loop's verification overhead beyond t(n)
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree}) and all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
-    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4")}  # the loop's draft per shape
+    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4", "fan2")}  # the loop per shape
     assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
                                            *shapes}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
@@ -605,7 +605,7 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     assert len(prof.acceptance_vectors_by_depth) == 3
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
-    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8)}  # the loop on each
+    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8), "fan2": (2, 4)}
     assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
     for v in prof.acceptance_vectors_by_depth:
         _valid_vector(v, 8)
@@ -834,7 +834,7 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     assert here["predicted_mean_verify_tokens"] == pytest.approx(mean)
     # the loop timed on member trees of every shape (each draft model fills one); the loop on its member chain
     shapes = {s["shape"]: s for s in prof.extra["draft_shape_ratios"]}
-    assert set(shapes) == {"loop", "chain1", "star8", "fan4"} and shapes["loop"]["nodes"] == 3
+    assert set(shapes) == {"loop", "chain1", "star8", "fan4", "fan2"} and shapes["loop"]["nodes"] == 3
     assert all(s["ratio"] > 0 for s in shapes.values())
 
 
@@ -988,15 +988,17 @@ def _grown(fed: list[int]) -> float:
     return float(np.sum(np.interp(fed, w, r)))
 
 
-def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True) -> Profile:
-    """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node (t(1))
-    on its chain of 4, a chain of 1 and (``trees``) a star of 8 and a fan of 4; its draft ratio per level is
-    the chain's / 4, as calibrated."""
-    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8)]
-                                                           if trees else [])
+def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True,
+                    per_fed: float = 0.0) -> Profile:
+    """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node + c ·
+    their fed nodes beyond the first (t(1)) on its chain of 4, a chain of 1 and (``trees``) a star of 8 and
+    fans of 2 and of 4; its draft ratio per level is the chain's / 4, as calibrated."""
+    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8),
+                                                            ("fan2", [1, 2], 4)] if trees else [])
     prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
     drafted = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
-                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)}
+                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)
+                + per_fed * sum(w - 1 for w in fed if w > 1)}
                for s, fed, n in shapes]
     prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
                       draft_shape_ratios=drafted)
@@ -1011,7 +1013,7 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     T0: 0.62 t(1) priced, 0.99 measured, quiet sweep)."""
     cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06))
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06, 0.0))
     t1 = prof.t_ar_s
     fan = Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])
     for tree, fed, nodes in ((Tree.chain(4), [1] * 4, 4), (Tree.chain(1), [1], 1), (Tree.kary(8, 1), [1], 8),
@@ -1024,7 +1026,7 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 2]) + 0.02 * 7 + 0.06) * t1)
     assert priced > prof.draft_time_s * _grown([1, 2])  # the chain's level × the levels: the old, low price
     chains = _shaped_profile(0.4, 0.2, 0.02, 0.06, trees=False)  # a chain verifier: a level carries its node
-    assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0))
+    assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0, 0.0))
     assert draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": []})) is None
 
 
@@ -1057,7 +1059,7 @@ def test_a_runs_metrics_keep_the_drafts_timings_behind_its_price(run_config):
 
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     out = calibrated_costs(run_config("method=vanilla"), prof)
-    assert out["calibration_draft_terms"] == pytest.approx([0.4, 0.2, 0.02, 0.06])
+    assert out["calibration_draft_terms"] == pytest.approx([0.4, 0.2, 0.02, 0.06, 0.0])
     assert out["calibration_draft_shape_ratios"] == prof.extra["draft_shape_ratios"]
     assert out["calibration_draft_level_ratios"] == GROWTH
     assert "calibration_draft_terms" not in calibrated_costs(run_config("method=vanilla"), _profile())
@@ -1074,6 +1076,24 @@ def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_con
     assert remeasure_reason(prof, cfg) == ""
 
 
+def test_a_wide_level_pays_per_fed_node_where_the_fans_tell_it(run_config):
+    """The fans of 2 and of 4 separate a wide level's constant e from its cost per further fed node c: a level
+    fed w > 1 nodes costs a · g(w) + e + c · (w − 1). SpecInfer's loop at T = 1 paid 0.44 / 0.87 / 1.45 t(1)
+    for a level fed 2 / 4 / 8 (its chain's level 0.49): priced at the fan of 4's constant, its member tree's
+    levels fed 3 read its draft +10-26% high (load). Without the fan of 2 (an older calibration) c is 0 and
+    the fan of 4's wide level is e, as before."""
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06, per_fed=0.1)
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06, 0.1))
+    t1 = prof.t_ar_s
+    three = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [2, 0]])  # fed 1, then 3 nodes
+    priced = tree_predictions(cfg, prof, three)[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 3]) + 0.02 * 6 + 0.06 + 0.1 * 2) * t1)
+    older = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]
+    terms = draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": older}))
+    assert terms[4] == 0.0 and terms[3] == pytest.approx(0.06 + 3 * 0.1)
+
+
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
@@ -1081,7 +1101,10 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)
-    no_fan = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan4"]  # this session's first
+    no_fan2 = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]  # the sixth session's
+    assert "every tree shape" in remeasure_reason(
+        dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan2}), cfg)
+    no_fan = [s for s in no_fan2 if s["shape"] != "fan4"]  # the sixth session's first
     assert "every tree shape" in remeasure_reason(
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan}), cfg)
     chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",

@@ -33,7 +33,7 @@ def _rounds(t1: list[float], sizes) -> list[dict]:
     """Scripted rounds on a machine whose slowdown is t1[r] / 1e-3: every cost scales with it (the draft
     model's loop drafts 0.3 + 0.2 per level + 0.01 per node, the calibration's chain of 4 among them)."""
     shapes = {(QSHAPE, "loop"): 1.14, (QSHAPE, "chain1"): 0.51, (QSHAPE, "star8"): 0.58,
-              (QSHAPE, "fan4"): 0.8}
+              (QSHAPE, "fan4"): 0.8, (QSHAPE, "fan2"): 0.7}
     return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes},
              **{k: r * a for k, r in shapes.items()}} for a in t1]
 
@@ -99,7 +99,7 @@ def test_task_calibrate_reports_a_profile_it_did_not_cache(run_config, cache, mo
 
 
 SHAPES = (("loop", [1] * 4, 4, 0.8), ("chain1", [1], 1, 0.35), ("star8", [1], 8, 0.42),  # the loop's draft
-          ("fan4", [1, 4], 8, 0.6))  # per tree shape
+          ("fan4", [1, 4], 8, 0.6), ("fan2", [1, 2], 4, 0.5))  # per tree shape
 
 
 def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profile:
