@@ -622,10 +622,11 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
     (K·w fed per level), the merged 61-node tree's draft read 6-28% above the measured one on the quiet
     sweep (T = 0, and T = 1). Where the calibration timed the loop on member trees of several shapes
     (``draft_terms``), the member tree pays the loop's constant per step and its cost per member node as
-    well: at T = 1 every member node is a sampled child whose q row the merge stacks for the verifier, a
-    cost the loop's 4 levels of 3 nodes spread over its levels; the 61-node tree's 8 levels of 7.5 member
-    nodes read its draft 15-21% low on the quiet sweep at T = 1 (3-8% at T = 0). None where the levels were
-    not timed (the configured ratio per level stands)."""
+    well, and its wide levels their cost beyond the timed level's growth (``draft_levels``): at T = 1 a
+    member level fed w nodes cost the loop 0.44 / 0.87 / 1.45 t(1) at w = 2 / 4 / 8 where its chain's level
+    cost 0.49 and the timed level barely grew, so the 61-node tree's 5 levels fed 3 read its draft 15-21% low
+    on the quiet sweep at T = 1 (3-8% at T = 0). None where the levels were not timed (the configured ratio
+    per level stands)."""
     levels = draft_levels(cfg, profile)
     if levels is None or member.depth < 1:
         return None

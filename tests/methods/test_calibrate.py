@@ -1033,9 +1033,9 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
 def test_specinfer_member_tree_pays_the_loops_constant_and_its_cost_per_member_node(run_config):
     """SpecInfer's loop timed on member trees of four shapes (each draft model fills the member tree, the K
     drafts merged): the member tree is priced F + a · Σ g(w) + b · member nodes + e · wide levels, the
-    member chain of the loop at the loop's own draft. At T = 1 every member node is a sampled child whose q
-    row the merge stacks: priced by the loop's levels alone (4 levels of 3 nodes), the quiet sweep's 61-node
-    tree (8 levels of 7.5 member nodes) read its draft 15-21% low."""
+    member chain of the loop at the loop's own draft. At T = 1 a member level fed several nodes costs the
+    loop far more than the timed level's growth: priced by the loop's chain levels alone, the quiet sweep's
+    61-node tree (member levels fed 1, 1, 1, 3, 3, 3, 3, 3) read its draft 15-21% low."""
     from specsim.multidraft import union_tree
 
     cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=4")
