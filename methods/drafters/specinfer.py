@@ -36,11 +36,15 @@ class _Merged:
 
 class SpecInferDrafter:
     needs_hidden_states = False
+    # Drafter protocol hook: K draft models each fill ``member_tree`` level by level and the drafts are merged
+    # (calibration times the loop on member trees of several shapes; profiles price the member tree)
+    fills_member_trees = True
 
     def __init__(self, drafts: list, tree: Tree, sampling: SamplingParams, mode: str = "topk") -> None:
         assert drafts, "SpecInfer needs at least one draft model"
         self.members = [DraftModelDrafter(m, tree, sampling, mode) for m in drafts]
         self.sampled = mode != "topk"
+        self.member_tree = tree  # the tree every draft model fills
         self.tree = union_tree(tree, len(drafts))  # the budget the simulator prices (no prefix shared)
         self._last: _Merged | None = None
 

@@ -537,28 +537,41 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
 
 # the trees besides the calibration's chain of D on which a level-by-level drafter's loop is timed: with the
 # chain they separate its draft per step into a constant, a cost per level, a cost per node and a cost per
-# level fed several nodes (the fan's second level: 4 nodes, a tree-masked draft forward): draft_terms.
-# Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8 tree read its draft 0.62 t(1) where
-# the loop drafted 0.99 (quiet sweep); with the star alone, the draft model's Sequoia trees read 13-18% low,
-# 0.05-0.09 t(1) per level fed more than one node (docs/validation.md)
+# level fed several nodes (the fans' second levels, fed 2 and 4 nodes: a tree-masked draft forward, and a cost
+# per further fed node): draft_terms. Priced as the chain's draft / D per level, EAGLE-1's 2-level Sequoia-8
+# tree read its draft 0.62 t(1) where the loop drafted 0.99 (quiet sweep); with the star alone, the draft
+# model's Sequoia trees read 13-18% low, 0.05-0.09 t(1) per level fed more than one node; with the fan of 4
+# alone, SpecInfer's member tree at T = 1 (levels fed 3) read its draft +10-26% high (docs/validation.md)
 DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1),
-                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])}
+                "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]]),
+                "fan2": Tree.from_paths([[0], [1], [0, 0], [1, 0]])}
 LOOP_SHAPE = "loop"
 
 
 def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
     """Whether calibration times the drafter's loop on DRAFT_SHAPES beside its chain ``tree``: drafters that
-    fill trees level by level with a model of their own (the draft model's, EAGLE's head: ``level_step``),
-    a chain at least 2 deep; ``drafter`` an instance or its class."""
-    own = hasattr(drafter, "level_step") or cfg.method.drafter in NEEDS_DRAFT_MODEL
+    fill trees level by level with a model of their own (the draft model's, EAGLE's head: ``level_step``;
+    SpecInfer's draft models, each on its member tree: ``fills_member_trees``), a chain at least 2 deep
+    (SpecInfer: the member chain); ``drafter`` an instance or its class."""
+    own = (hasattr(drafter, "level_step") or cfg.method.drafter in NEEDS_DRAFT_MODEL
+           or getattr(drafter, "fills_member_trees", False))
     return own and cfg.method.draft_steps == "depth" and tree.width <= 1 and tree.depth >= 2
 
 
+def shape_tree(run: _Run) -> Tree:
+    """The tree the drafter's levels fill: SpecInfer's member tree (each draft model fills it on its own
+    cache; the loop's union of K chains is merged from them), else the calibration's chain/tree."""
+    member = getattr(run.drafter, "member_tree", None)
+    return run.tree if member is None else member
+
+
 def shape_drafters(run: _Run) -> dict[str, Any]:
-    """The drafter built on each of DRAFT_SHAPES (none where :func:`times_draft_shapes` is false). A verifier
-    of chains only (Leviathan's, sampled) verifies no tree: the chain of 1 alone then, and the draft's cost
-    per node is not told apart from its cost per level (a chain has as many of each)."""
-    if not times_draft_shapes(run.drafter, run.cfg, run.tree):
+    """The drafter built on each of DRAFT_SHAPES (none where :func:`times_draft_shapes` is false; SpecInfer:
+    K members on each shape, merged). A verifier of chains only (Leviathan's, sampled) verifies no tree: the
+    chain of 1 alone then, and the draft's cost per node is not told apart from its cost per level (a chain
+    has as many of each). Timed in the workload's sampling mode: at T = 1 a sampled tree pays per node what
+    a greedy one does not (q's rows, the draws; SpecInfer's merge stacks a q row per member node)."""
+    if not times_draft_shapes(run.drafter, run.cfg, shape_tree(run)):
         return {}
     return {name: build_drafter(run.cfg.method, DRAFT_SHAPES[name], run.models, run.sampling)
             for name in shape_names(run.cfg) if name != LOOP_SHAPE}
@@ -1042,7 +1055,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
-    trees = {LOOP_SHAPE: run.tree, **DRAFT_SHAPES}
+    trees = {LOOP_SHAPE: shape_tree(run), **DRAFT_SHAPES}
     fed = DraftCost(fed_width=True).widths  # the nodes fed to the drafter per level
     shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1,
                "fed": fed(trees[name]), "ratio": r}

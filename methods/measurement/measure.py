@@ -37,6 +37,7 @@ from methods.measurement.calibrate import ensure_profile
 from methods.measurement.dynamic_shapes import ensure_shapes, nodes_per_depth
 from methods.measurement.profiles import (
     apply_profile,
+    draft_terms,
     dynamic_draft_s,
     dynamic_tree_for,
     prediction_metrics,
@@ -423,9 +424,14 @@ def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:
         out.update(verify_saving_ratio_calibrated=shared["saving_ratio"],
                    shared_verify_over_full=shared["ratio"] / shared["full_ratio"],
                    verify_reuse_ratio_config=cfg.method.verify_reuse_ratio)
-    for key in ("loop_draft_forwards_per_step", "loop_mean_draft_length"):
+    # the timings behind the draft's price (a profile timed on a busy machine is not cached: kept here)
+    for key in ("loop_draft_forwards_per_step", "loop_mean_draft_length", "draft_level_ratios",
+                "draft_shape_ratios"):
         if key in profile.extra:
             out[f"calibration_{key}"] = profile.extra[key]
+    terms = draft_terms(profile)
+    if terms is not None:
+        out["calibration_draft_terms"] = list(terms)  # (F, a, b, e) in t(1): profiles.draft_terms
     return out
 
 

@@ -448,23 +448,30 @@ def draft_levels(cfg: RunConfig, profile: Profile) -> MeasuredCost | None:
         return None
     terms = draft_terms(profile)  # the loop's level beyond its constant and its nodes, where timed
     level = profile.draft_time_s if terms is None else terms[1] * profile.t_ar_s
-    wide = 0.0 if terms is None else terms[3] * profile.t_ar_s  # a level fed several nodes, beyond its growth
+    # a level fed w > 1 nodes, beyond its growth: e, and c per fed node beyond the first
+    wide, fed = (0.0, 0.0) if terms is None else (terms[3] * profile.t_ar_s, terms[4] * profile.t_ar_s)
     base = float(ratios["1"])
-    table = {int(w): level * float(r) / base + (wide if int(w) > 1 else 0.0) for w, r in ratios.items()}
+    table = {int(w): level * float(r) / base + (wide + fed * (int(w) - 1) if int(w) > 1 else 0.0)
+             for w, r in ratios.items()}
     return MeasuredCost.from_mapping(table)
 
 
-def draft_terms(profile: Profile) -> tuple[float, float, float, float] | None:
-    """The loop's draft per speculation step as F + a · Σ_levels g(w) + b · nodes + e · wide levels, in t(1):
-    (F, a, b, e), the non-negative least squares over the shapes the calibration timed the drafter's loop
-    on (its chain of D, a chain of 1, a star of 8, a fan of 4: four shapes, four terms). g(w) is the timed
-    level's growth with the nodes it is fed (``draft_level_ratios``, r(w) / r(1)), nodes are drafted below
-    the root, and a wide level is one fed more than one node: its draft forward runs with a tree mask, which
-    the back-to-back level timing does not show (the draft model's r(2) / r(1) read 0.94) and which cost
-    the zoo's Sequoia trees 0.05-0.09 t(1) per such level. A term no timed shape tells apart is 0: without
-    trees (a verifier of chains only) a carries the node; without the fan e is 0. None where the shapes
-    were not timed. Priced as the chain's draft / D per level, shallow trees read low (EAGLE-1's draft per
-    step: 0.43 t(1) + 0.20 per level + 0.016 per node at T = 0 on the quiet sweep's rows)."""
+def draft_terms(profile: Profile) -> tuple[float, float, float, float, float] | None:
+    """The loop's draft per speculation step as F + a · Σ_levels g(w) + b · nodes + e · wide levels + c · Σ
+    over the wide levels of (w − 1), in t(1): (F, a, b, e, c), the non-negative least squares over the shapes
+    the calibration timed the drafter's loop on (its chain of D, a chain of 1, a star of 8, fans of 2 and
+    of 4: five shapes, five terms). g(w) is the timed level's growth with the nodes it is fed
+    (``draft_level_ratios``, r(w) / r(1)), nodes are drafted below the root, and a wide level is one fed
+    more than one node: its draft forward runs with a tree mask, which the back-to-back level timing does
+    not show (the draft model's r(2) / r(1) read 0.94) and which cost the zoo's Sequoia trees 0.05-0.09 t(1)
+    per such level. c is what each further fed node of it costs in the loop beyond the level's timed growth:
+    SpecInfer's loop at T = 1 (3 draft models, sampled rows) paid 0.44 / 0.87 / 1.45 t(1) for a level fed
+    2 / 4 / 8 nodes where its chain's level cost 0.49, while EAGLE-1's at T = 0 paid ~0.48 at each width
+    (load, docs/validation.md). A term no timed shape tells apart is 0: without trees (a verifier of chains
+    only) a carries the node; without the fans e and c are 0, and with the fan of 4 alone c is (an older
+    calibration's). None where the shapes were not timed. Priced as the chain's draft / D per level,
+    shallow trees read low (EAGLE-1's draft per step: 0.43 t(1) + 0.20 per level + 0.016 per node at T = 0
+    on the quiet sweep's rows)."""
     shapes = profile.extra.get("draft_shape_ratios") or []
     if len({(int(s["levels"]), int(s["nodes"])) for s in shapes}) < 2:
         return None
@@ -475,12 +482,15 @@ def draft_terms(profile: Profile) -> tuple[float, float, float, float] | None:
     for s in shapes:
         fed = [int(w) for w in s.get("fed") or [1] * int(s["levels"])]
         rows.append([1.0, float(np.sum(growth.time(np.asarray(fed)))), float(s["nodes"]),
-                     float(sum(w > 1 for w in fed))])
+                     float(sum(w > 1 for w in fed)), float(sum(w - 1 for w in fed if w > 1))])
     a = np.array(rows)
-    told = [0, 1] + [k for k in (2, 3) if np.linalg.matrix_rank(a[:, [0, 1, k]]) == 3]
-    x = np.zeros(4)
+    told = [0, 1]
+    for k in (2, 3, 4):  # each further term where the timed shapes tell it apart from those before
+        if np.linalg.matrix_rank(a[:, [*told, k]]) == len(told) + 1:
+            told.append(k)
+    x = np.zeros(5)
     x[told] = nnls(a[:, told], np.array([float(s["ratio"]) for s in shapes]))[0]
-    return float(x[0]), float(x[1]), float(x[2]), float(x[3])
+    return float(x[0]), float(x[1]), float(x[2]), float(x[3]), float(x[4])
 
 
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
@@ -554,7 +564,7 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", 
         m.verify_extra_tokens = max(0, int(forward) - int(profile.extra["loop_tree_size"]))
     terms = draft_terms(profile) if m.draft_steps == "depth" else None
     if terms is not None:  # the loop's constant per step and cost per node, and its level beyond them
-        m.draft_fixed_ratio, m.draft_cost_ratio, m.draft_node_ratio = terms[:3]  # e: in draft_levels
+        m.draft_fixed_ratio, m.draft_cost_ratio, m.draft_node_ratio = terms[:3]  # e, c: in draft_levels
     elif m.draft_steps == "depth":
         m.draft_cost_ratio, m.draft_fixed_ratio = ratio, 0.0
     else:
@@ -673,11 +683,20 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
     (``draft_levels``) is the loop's, all K models' forwards of one level of the union of K chains: priced on
     the member tree's widths it is the loop's own draft on the loop's own tree. Priced on the union's widths
     (K·w fed per level), the merged 61-node tree's draft read 6-28% above the measured one on the quiet
-    sweep (T = 0, and T = 1). None where the levels were not timed (the configured ratio per level stands)."""
+    sweep (T = 0, and T = 1). Where the calibration timed the loop on member trees of several shapes
+    (``draft_terms``), the member tree pays the loop's constant per step and its cost per member node as
+    well, and its wide levels their cost beyond the timed level's growth (``draft_levels``): at T = 1 a
+    member level fed w nodes cost the loop 0.44 / 0.87 / 1.45 t(1) at w = 2 / 4 / 8 where its chain's level
+    cost 0.49 and the timed level barely grew, so the 61-node tree's 5 levels fed 3 read its draft 15-21% low
+    on the quiet sweep at T = 1 (3-8% at T = 0). None where the levels were not timed (the configured ratio
+    per level stands)."""
     levels = draft_levels(cfg, profile)
     if levels is None or member.depth < 1:
         return None
-    return float(DraftCost(model=levels, fed_width=True).time(member, profile.t_ar_s))
+    terms = draft_terms(profile)
+    fixed, node = (0.0, 0.0) if terms is None else (terms[0], terms[2])
+    cost = DraftCost(fixed_ratio=fixed, node_ratio=node, model=levels, fed_width=True)
+    return float(cost.time(member, profile.t_ar_s))
 
 
 def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:

@@ -141,7 +141,7 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree, WIDE_NODES})
     assert all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
-    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4")}  # the loop's draft per shape
+    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4", "fan2")}  # the loop per shape
     assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
                                            *shapes, f"vloop({WIDE_NODES})/t1"}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
@@ -665,7 +665,7 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     assert len(prof.acceptance_vectors_by_depth) == 3
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
-    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8)}  # the loop on each
+    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8), "fan2": (2, 4)}
     assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
     # the loop's verification on a wide tree, and that tree's forward, in the same rounds
     assert set(prof.extra["loop_verify_wide"]) == {str(WIDE_NODES)} and WIDE_NODES in prof.t_n_ratios
@@ -897,6 +897,10 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     assert prof.extra["loop_verify_forward_tokens"] == max(1, round(mean)) <= 1 + 3 * 3
     assert sum(prof.extra["loop_verify_level_sizes"]) == pytest.approx(mean)
     assert here["predicted_mean_verify_tokens"] == pytest.approx(mean)
+    # the loop timed on member trees of every shape (each draft model fills one); the loop on its member chain
+    shapes = {s["shape"]: s for s in prof.extra["draft_shape_ratios"]}
+    assert set(shapes) == {"loop", "chain1", "star8", "fan4", "fan2"} and shapes["loop"]["nodes"] == 3
+    assert all(s["ratio"] > 0 for s in shapes.values())
 
 
 def test_specinfer_draft_is_priced_on_each_members_tree(run_config):
@@ -981,7 +985,8 @@ def test_specinfer_verify_is_priced_at_the_merged_trees_size(run_config):
 def test_specinfer_profile_without_merged_counts_is_measured_again(run_config):
     cfg = run_config("method=specinfer", "tree.budgets=[1,2,4,8]")
     prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10},
+                      draft_shape_ratios=_shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"])
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
                                            if k != "loop_verify_level_sizes"})
@@ -1048,15 +1053,17 @@ def _grown(fed: list[int]) -> float:
     return float(np.sum(np.interp(fed, w, r)))
 
 
-def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True) -> Profile:
-    """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node (t(1))
-    on its chain of 4, a chain of 1 and (``trees``) a star of 8 and a fan of 4; its draft ratio per level is
-    the chain's / 4, as calibrated."""
-    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8)]
-                                                           if trees else [])
+def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True,
+                    per_fed: float = 0.0) -> Profile:
+    """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node + c ·
+    their fed nodes beyond the first (t(1)) on its chain of 4, a chain of 1 and (``trees``) a star of 8 and
+    fans of 2 and of 4; its draft ratio per level is the chain's / 4, as calibrated."""
+    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8),
+                                                            ("fan2", [1, 2], 4)] if trees else [])
     prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
     drafted = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
-                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)}
+                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)
+                + per_fed * sum(w - 1 for w in fed if w > 1)}
                for s, fed, n in shapes]
     prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
                       draft_shape_ratios=drafted)
@@ -1071,7 +1078,7 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     T0: 0.62 t(1) priced, 0.99 measured, quiet sweep)."""
     cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06))
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06, 0.0))
     t1 = prof.t_ar_s
     fan = Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]])
     for tree, fed, nodes in ((Tree.chain(4), [1] * 4, 4), (Tree.chain(1), [1], 1), (Tree.kary(8, 1), [1], 8),
@@ -1084,8 +1091,72 @@ def test_the_draft_is_priced_per_step_per_level_and_per_node(run_config):
     assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 2]) + 0.02 * 7 + 0.06) * t1)
     assert priced > prof.draft_time_s * _grown([1, 2])  # the chain's level × the levels: the old, low price
     chains = _shaped_profile(0.4, 0.2, 0.02, 0.06, trees=False)  # a chain verifier: a level carries its node
-    assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0))
+    assert draft_terms(chains) == pytest.approx((0.4, 0.22, 0.0, 0.0, 0.0))
     assert draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": []})) is None
+
+
+def test_specinfer_member_tree_pays_the_loops_constant_and_its_cost_per_member_node(run_config):
+    """SpecInfer's loop timed on member trees of four shapes (each draft model fills the member tree, the K
+    drafts merged): the member tree is priced F + a · Σ g(w) + b · member nodes + e · wide levels, the
+    member chain of the loop at the loop's own draft. At T = 1 a member level fed several nodes costs the
+    loop far more than the timed level's growth: priced by the loop's chain levels alone, the quiet sweep's
+    61-node tree (member levels fed 1, 1, 1, 3, 3, 3, 3, 3) read its draft 15-21% low."""
+    from specsim.multidraft import union_tree
+
+    cfg = run_config("method=specinfer", "tree=chain", "tree.gamma=4")
+    shaped = _shaped_profile(0.4, 0.2, 0.05, 0.06)  # the member chain of 4 is the loop's shape
+    prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
+    prof = dataclasses.replace(prof, draft_ratio=shaped.draft_ratio)
+    prof.extra.update(draft_level_ratios=dict(GROWTH), draft_shape_ratios=shaped.extra["draft_shape_ratios"])
+    t1 = prof.t_ar_s
+    loop = tree_predictions(cfg, prof, union_tree(Tree.chain(4), 3))[0]["t_draft_s"]
+    assert loop == pytest.approx((0.4 + 4 * 0.2 + 4 * 0.05) * t1)  # the loop's own draft per step
+    member = Tree.from_paths([[0, 0, 0], [0, 1, 0], [1, 0, 0], [1, 1, 0]])  # fed 1, 2, 4: 10 member nodes
+    priced = tree_predictions(cfg, prof, union_tree(member, 3))[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 2, 4]) + 0.05 * 10 + 2 * 0.06) * t1)
+    assert priced > prof.draft_time_s * _grown([1, 2, 4])  # the loop's level × the levels: the old, low price
+
+
+def test_a_runs_metrics_keep_the_drafts_timings_behind_its_price(run_config):
+    """A profile timed on a busy machine is not cached: the run's metrics keep the draft's timed shapes,
+    levels and terms, so that its draft term can be re-priced afterwards."""
+    from methods.measurement.measure import calibrated_costs
+
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    out = calibrated_costs(run_config("method=vanilla"), prof)
+    assert out["calibration_draft_terms"] == pytest.approx([0.4, 0.2, 0.02, 0.06, 0.0])
+    assert out["calibration_draft_shape_ratios"] == prof.extra["draft_shape_ratios"]
+    assert out["calibration_draft_level_ratios"] == GROWTH
+    assert "calibration_draft_terms" not in calibrated_costs(run_config("method=vanilla"), _profile())
+
+
+def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_config):
+    from methods.measurement.profiles import profile_config
+
+    cfg = profile_config(run_config("method=specinfer", "tree.budgets=[1,2,4,8]"))  # as measure calibrates
+    prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
+    assert "every tree shape" in remeasure_reason(prof, cfg)
+    prof.extra["draft_shape_ratios"] = _shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"]
+    assert remeasure_reason(prof, cfg) == ""
+
+
+def test_a_wide_level_pays_per_fed_node_where_the_fans_tell_it(run_config):
+    """The fans of 2 and of 4 separate a wide level's constant e from its cost per further fed node c: a level
+    fed w > 1 nodes costs a · g(w) + e + c · (w − 1). SpecInfer's loop at T = 1 paid 0.44 / 0.87 / 1.45 t(1)
+    for a level fed 2 / 4 / 8 (its chain's level 0.49): priced at the fan of 4's constant, its member tree's
+    levels fed 3 read its draft +10-26% high (load). Without the fan of 2 (an older calibration) c is 0 and
+    the fan of 4's wide level is e, as before."""
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06, per_fed=0.1)
+    assert draft_terms(prof) == pytest.approx((0.4, 0.2, 0.02, 0.06, 0.1))
+    t1 = prof.t_ar_s
+    three = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [2, 0]])  # fed 1, then 3 nodes
+    priced = tree_predictions(cfg, prof, three)[0]["t_draft_s"]
+    assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 3]) + 0.02 * 6 + 0.06 + 0.1 * 2) * t1)
+    older = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]
+    terms = draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": older}))
+    assert terms[4] == 0.0 and terms[3] == pytest.approx(0.06 + 3 * 0.1)
 
 
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
@@ -1096,7 +1167,10 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)
-    no_fan = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan4"]  # this session's first
+    no_fan2 = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]  # the sixth session's
+    assert "every tree shape" in remeasure_reason(
+        dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan2}), cfg)
+    no_fan = [s for s in no_fan2 if s["shape"] != "fan4"]  # the sixth session's first
     assert "every tree shape" in remeasure_reason(
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan}), cfg)
     chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",

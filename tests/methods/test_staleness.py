@@ -34,7 +34,7 @@ def _rounds(t1: list[float], sizes, wide: int | None = None) -> list[dict]:
     model's loop drafts 0.3 + 0.2 per level + 0.01 per node, the calibration's chain of 4 among them; its
     loop verifies a ``wide``-node tree in 1.1 t(wide))."""
     shapes = {(QSHAPE, "loop"): 1.14, (QSHAPE, "chain1"): 0.51, (QSHAPE, "star8"): 0.58,
-              (QSHAPE, "fan4"): 0.8}
+              (QSHAPE, "fan4"): 0.8, (QSHAPE, "fan2"): 0.7}
     if wide is not None:
         sizes = sorted({*sizes, wide})
         shapes[(VLOOP, wide)] = 1.1 * (1 + 0.05 * wide)
@@ -104,7 +104,7 @@ def test_task_calibrate_reports_a_profile_it_did_not_cache(run_config, cache, mo
 
 
 SHAPES = (("loop", [1] * 4, 4, 0.8), ("chain1", [1], 1, 0.35), ("star8", [1], 8, 0.42),  # the loop's draft
-          ("fan4", [1, 4], 8, 0.6))  # per tree shape
+          ("fan4", [1, 4], 8, 0.6), ("fan2", [1, 2], 4, 0.5))  # per tree shape
 
 
 def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profile:
