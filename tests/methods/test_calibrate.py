@@ -153,11 +153,12 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert set(prof.extra["verify_chain_ratios"]) == {str(n) for n in prof.t_n if n > 1}
     assert set(prof.extra["draft_level_ratios"]) == {"1", "2", "4", "8"} and prof.extra["draft_models"] == 1
     assert prof.extra["draft_level_timing"] == "draft_model"
-    terms = draft_terms(prof)  # the level beyond F and the nodes, and a wide level's extra
+    terms = draft_terms(prof)  # the level beyond F and the nodes, a wide level's extra and its per fed node
     levels, level, wide = draft_levels(cfg, prof), terms[1] * prof.t_ar_s, terms[3] * prof.t_ar_s
+    per_fed = terms[4] * prof.t_ar_s
     assert levels.time(1) == pytest.approx(level)
     growth = prof.extra["draft_level_ratios"]["8"] / prof.extra["draft_level_ratios"]["1"]
-    assert levels.time(8) == pytest.approx(level * growth + wide)  # the loop's level, in proportion
+    assert levels.time(8) == pytest.approx(level * growth + wide + 7 * per_fed)
     assert prof.width == 8 and prof.key == profile_key(cfg) and prof.dtype == "float32"
     path = profile_path(cfg)
     assert path.parent == cache / "profiles" and path.is_file()
@@ -1225,7 +1226,8 @@ def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     budgets = "tree.budgets=[1,2,4,8]"
     cfg = run_config("method=vanilla", budgets)
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
-    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, loop_verify_wide={"32": 3.0})
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
+                      loop_verify_wide={"32": 3.0})
     assert records_rank_runs(cfg) and "accepted rank per root" in remeasure_reason(prof, cfg)
     prof.extra["rank_runs"] = [[[0, -1]]]
     assert remeasure_reason(prof, cfg) == ""
