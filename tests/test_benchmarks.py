@@ -186,13 +186,14 @@ def test_every_registered_drafter_competes_for_best():
 
 
 def test_eagle_ladder_rungs_verify_the_same_budget():
-    """benchmarks/eagle_ladder.py: each rung composes to a config verifying k + … + k^D tokens at depth D."""
-    from benchmarks.eagle_ladder import budget, ladder
+    """benchmarks/eagle_ladder.py: each rung composes to a config verifying k + … + k^D tokens at depth D,
+    the dynamic ones from a pool of at least that many nodes."""
+    from benchmarks.eagle_ladder import budget, dynamic_pool, ladder
     from run import compose_run_config
     from specsim.tree import Tree
 
     assert budget(2, 3) == 14 and budget(3, 2) == 12
-    for k, depth in ((2, 3), (3, 2)):
+    for k, depth in ((2, 3), (3, 2), (2, 4), (1, 4)):
         rungs = ladder(k, depth)
         assert set(rungs) == {"medusa", "eagle", "eagle2", "eagle3"}
         for name, over in rungs.items():
@@ -200,9 +201,29 @@ def test_eagle_ladder_rungs_verify_the_same_budget():
             assert cfg.method.name == name
             if cfg.tree.kind.value == "dynamic":
                 assert (cfg.tree.total_tokens, cfg.tree.depth) == (budget(k, depth), depth)
+                assert dynamic_pool(cfg.tree.top_k, depth) >= budget(k, depth) and cfg.tree.top_k >= 2
             else:
                 tree = Tree.kary(cfg.tree.k, cfg.tree.depth)
                 assert (tree.size - 1, tree.depth) == (budget(k, depth), depth)
+
+
+def test_eagle_ladder_budget_rule():
+    """The dynamic tree drafts top_k + (D - 1) top_k² nodes; the ladder takes the smallest top_k >= 2 whose
+    pool holds N (the default top_k 2 at depth 3 drafts 10 < 14: last session's unequal budgets)."""
+    from benchmarks.eagle_ladder import dynamic_pool, dynamic_top_k, ladder, unequal
+
+    assert [dynamic_pool(k, 3) for k in (1, 2, 3)] == [3, 10, 21] and dynamic_pool(3, 4) == 30
+    assert dynamic_top_k(14, 3) == 3 and dynamic_top_k(30, 4) == 3 and dynamic_top_k(4, 4) == 2
+    assert dynamic_top_k(10, 3) == 2 and dynamic_top_k(11, 3) == 3 and dynamic_top_k(3, 3, least=1) == 1
+    assert dynamic_top_k(5, 1) == 5  # depth 1: the pool is top_k itself
+    for bad in ((0, 3), (4, 0)):
+        with pytest.raises(ValueError):
+            dynamic_top_k(*bad)
+    assert "tree.top_k=4" in ladder(2, 3, top_k=4)["eagle2"]
+    with pytest.raises(ValueError, match="drafts 10 < 14"):
+        ladder(2, 3, top_k=2)
+    assert unequal({"eagle": 15.0, "eagle2": 14.4, "eagle3": 14.2}) == ["eagle3"]
+    assert unequal({"eagle": 15.0, "eagle2": 10.9}, tolerance=0.3) == []
 
 
 def test_each_pass_starts_with_a_fresh_drafter_so_no_pass_has_seen_its_prompts():

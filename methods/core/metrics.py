@@ -25,10 +25,12 @@ class AcceptStats:
     depth_accepted: list[int] = field(default_factory=list)  # [d-1]: of those, a child accepted
     rank_accepted: list[int] = field(default_factory=list)  # [r]: the accepted child had rank r
     rank_none: int = 0  # an accepted node had children but none was accepted
+    nodes: int = 0  # verified tree nodes (root included), summed over the steps: the verification budget
 
     def record(self, tree: Tree, path: tuple[int, ...]) -> None:
         """One verification: ``path`` = accepted nodes, root first (before any EOS / length truncation)."""
         self.steps += 1
+        self.nodes += tree.size
         _grow(self.hist, len(path))
         self.hist[len(path) - 1] += 1
         children, ranks = tree.children, tree.ranks
@@ -48,6 +50,7 @@ class AcceptStats:
 
     def merge(self, other: AcceptStats) -> None:
         self.steps += other.steps
+        self.nodes += other.nodes
         self.rank_none += other.rank_none
         for mine, theirs in (
             (self.hist, other.hist),
@@ -63,6 +66,11 @@ class AcceptStats:
     def tau(self) -> float:
         """Mean tokens per target forward, bonus included."""
         return sum((k + 1) * c for k, c in enumerate(self.hist)) / self.steps if self.steps else 0.0
+
+    @property
+    def verified_nodes(self) -> float:
+        """Mean nodes the target verified per step (root included): the step's verification budget."""
+        return self.nodes / self.steps if self.steps else 0.0
 
     def by_depth(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)]

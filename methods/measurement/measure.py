@@ -477,6 +477,7 @@ def _metrics(stats: AcceptStats, method: _Totals, base: _Totals, samples: list[d
         "accept_hist": stats.hist,
         "acceptance_by_depth": stats.by_depth(),
         "acceptance_by_rank": stats.by_rank(),
+        "verified_nodes_per_step": stats.verified_nodes,  # root included; a dynamic tree's kept size
         "n_target_forwards": method.forwards,
         "baseline_n_target_forwards": base.forwards,
         "n_tokens": method.tokens,
