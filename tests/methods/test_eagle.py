@@ -677,6 +677,27 @@ def test_restricted_vocabulary_keeps_the_heads_logits_on_its_ids(tiny_models, va
         head.restrict_vocabulary(ids)
 
 
+def _greedy_reference(tiny_models):
+    """(engine, generator, a 15-token prompt, the target's greedy 30 tokens after it): seed 0."""
+    engine = ModelEngine(tiny_models.target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (15,), generator=g)
+    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
+    return engine, g, prompt, ref
+
+
+def _on_proposals(drafter, seen) -> None:
+    """Wrap ``drafter.propose`` so that every proposal is also handed to ``seen(ctx, draft)``."""
+    real = drafter.propose
+
+    def spy(ctx):
+        d = real(ctx)
+        seen(ctx, d)
+        return d
+
+    drafter.propose = spy
+
+
 @pytest.mark.parametrize("tree_cfg,tree", [(None, Tree.chain(4)), (DYNAMIC, None)])
 def test_inference_draft_vocab_is_greedy_exact_and_drafts_frequent_tokens(tiny_models, tree_cfg, tree):
     """method.params.draft_vocab = N on an EAGLE-1 head: its drafts are among the N most frequent train-split
@@ -686,18 +707,9 @@ def test_inference_draft_vocab_is_greedy_exact_and_drafts_frequent_tokens(tiny_m
     drafter = build_drafter(_method("eagle", draft_vocab=32), tree, tiny_models, GREEDY, tree_cfg=tree_cfg)
     allowed = frequent_ids(tiny_models.tokenizer, 32, tiny_models.target.config.vocab_size)
     assert drafter.head.draft_ids().tolist() == allowed.tolist()
-    engine = ModelEngine(tiny_models.target)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 256, (15,), generator=g)
-    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
-    drafted, real = [], drafter.propose
-
-    def spy(ctx):
-        d = real(ctx)
-        drafted.extend(d.tokens[1:].tolist())
-        return d
-
-    drafter.propose = spy
+    engine, g, prompt, ref = _greedy_reference(tiny_models)
+    drafted = []
+    _on_proposals(drafter, lambda ctx, d: drafted.extend(d.tokens[1:].tolist()))
     assert decode(engine, drafter, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
     assert drafted and set(drafted) <= set(allowed.tolist())
 
@@ -718,20 +730,14 @@ def test_chain_fast_path_drafts_what_the_tree_path_drafts(tiny_models):
     head = _random_head(tiny_models.target)
     fast, slow = EagleDrafter(head, Tree.chain(4), GREEDY), EagleDrafter(head, Tree.chain(4), GREEDY)
     slow.fast_chain = False
-    engine = ModelEngine(tiny_models.target)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 256, (15,), generator=g)
-    ref = decode(engine, Autoregressive(), prompt, DecodeOptions(max_new_tokens=30), g).token_ids
-    pairs, real = [], fast.propose
+    engine, g, prompt, ref = _greedy_reference(tiny_models)
+    pairs = []
 
-    def spy(ctx):
-        d = real(ctx)
+    def beside(ctx, d):
         slow.cache = fast.cache  # the same committed rows (propose drops its pending ones)
-        other = slow.propose(DraftContext(ctx.tokens, None, ctx.generator, ctx.max_new))
-        pairs.append((d, other))
-        return d
+        pairs.append((d, slow.propose(DraftContext(ctx.tokens, None, ctx.generator, ctx.max_new))))
 
-    fast.propose = spy
+    _on_proposals(fast, beside)
     assert decode(engine, fast, prompt, DecodeOptions(Verifier.greedy, GREEDY, 30), g).token_ids == ref
     assert len(pairs) > 3 and any(a.tree.size == 5 for a, _ in pairs)
     for a, b in pairs:
