@@ -322,10 +322,11 @@ def mixed_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
 
 def cache_dtype(model: PreTrainedModel, attn_dtype: torch.dtype, fast: bool, mixed: bool = True
                 ) -> torch.dtype:
-    """The KV cache's storage dtype under attention in ``attn_dtype``: the model's bf16 / fp16 where the
-    attention is float32 on CPU over the lean forward (``fast``) and the mixed-precision kernel is built
-    (methods.core.mixed_attention; ``mixed`` False: never); else ``attn_dtype``. Lossless: the lean forward
-    computes keys and values in the model's dtype (projections, RoPE), so the cache holds the float32
+    """The KV cache's storage dtype under attention in ``attn_dtype`` (``model``: anything with a ``dtype``
+    and a ``device``: a model, or a module's weight, as EAGLE's head cache passes): the model's bf16 / fp16
+    where the attention is float32 on CPU over the lean forward (``fast``) and the mixed-precision kernel is
+    built (methods.core.mixed_attention; ``mixed`` False: never); else ``attn_dtype``. Lossless: the lean
+    forward computes keys and values in the model's dtype (projections, RoPE), so the cache holds the float32
     cache's values in half the bytes, and the kernel accumulates in float32 like the float32 SDPA. A B = 16
     zoo decode step reads ~57 MB of float32 K/V at ~190 keys; the kernel over the bf16 cache took ~1.4-1.5
     ms per step's 6 layers against the float32 SDPA's ~5.3 (AMD EPYC, one thread, load). The one-sequence

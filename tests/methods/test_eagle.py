@@ -594,6 +594,7 @@ def test_bf16_head_cache_attends_like_the_float32_one(tiny_models, variant, laye
     most where a float32 attention output rounds to another bf16 value before o_proj (one bf16 ulp, 2^-8
     relative), and the chain's greedy drafts are the same. A float32 head keeps float32 K/V (exact path)."""
     from methods.core import mixed_attention
+    from methods.core.fast_llama import attention
 
     head32 = _random_head(tiny_models.target, variant, layers)
     assert HeadCache(head32).kv_dtype == torch.float32
@@ -614,8 +615,9 @@ def test_bf16_head_cache_attends_like_the_float32_one(tiny_models, variant, laye
         q = torch.randn(1, head.cfg.num_heads, 3, d, generator=g)
         mask = torch.zeros(3, 30)
         mask[1, 5:] = float("-inf")
-        att = fast._attention(q, fast.k[:, :30].transpose(1, 2), fast.v[:, :30].transpose(1, 2), mask)
-        want = ref._attention(q, ref.k[:, :30].transpose(1, 2), ref.v[:, :30].transpose(1, 2), mask)
+        gqa, m = head.cfg.num_heads != head.cfg.num_kv_heads, mask[None, None]  # as HeadCache._rows attends
+        att = attention(q, fast.k[:, :30].transpose(1, 2), fast.v[:, :30].transpose(1, 2), m, d ** -0.5, gqa)
+        want = attention(q, ref.k[:, :30].transpose(1, 2), ref.v[:, :30].transpose(1, 2), m, d ** -0.5, gqa)
         torch.testing.assert_close(att, want, rtol=1e-5, atol=1e-6)
         assert torch.equal(fast.k[:, :30].float(), ref.k[:, :30])  # the same values, half the bytes
         chains = []

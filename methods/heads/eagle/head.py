@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from methods.core.fast_llama import pack_weight, packed_linear, packing_works
-from methods.core.mixed_attention import mixed_attention
+from methods.core.fast_llama import attention, pack_weight, packed_linear, packing_works
 
 
 @dataclass(frozen=True)
@@ -171,8 +170,8 @@ class EagleHead(nn.Module):
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # (B, kv, S, d)
         if k.dtype in (torch.bfloat16, torch.float16) and mask is not None:
             # a decode cache in the head's reduced dtype (methods.heads.eagle.state.kv_cache_dtype): float32
-            # queries through the float32-accumulating kernel, as the target's engines attend
-            a = mixed_attention(q.transpose(1, 2).float(), kt, vt, mask.float(), c.head_dim ** -0.5)
+            # queries over it as the target's engines attend (the float32-accumulating kernel)
+            a = attention(q.transpose(1, 2).float(), kt, vt, mask.float(), c.head_dim ** -0.5, rep > 1)
             return self.block(res, a.transpose(1, 2))
         # else the attention in k's dtype: a float32 decode cache, where CPU SDPA is several times faster
         # than in bfloat16 (methods.core.fast_llama does the same for the target), or the training's

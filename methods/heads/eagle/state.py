@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from methods.core import mixed_attention as mixed
+from methods.core.fast_llama import attention
+from methods.core.mixed_attention import cache_dtype
 from methods.heads.eagle.head import EagleHead
 
 
@@ -113,37 +114,24 @@ class HeadCache:
         at = self._write(qk[None, :, self._hq :], qkv[None, :, self._k_end :].view(1, n, -1, d))
         keys, values = self.k[:, : at + n].transpose(1, 2), self.v[:, : at + n].transpose(1, 2)
         q = qk[:, : self._hq].float().transpose(0, 1)[None]  # (1, nq, n, d): the attention in float32
-        a = self._attention(q, keys, values, None if mask is None else torch.from_numpy(mask).to(q.device))
+        # the target engines' attention (methods.core.fast_llama): a reduced-precision cache through the
+        # float32-accumulating kernel, a float32 one through PyTorch's SDPA
+        m = None if mask is None else torch.from_numpy(mask).to(q.device)[None, None]  # (1, 1, n, W)
+        a = attention(q, keys, values, m, self._scale, self._gqa)
         x = res + head._lin("o_proj", a[0].transpose(0, 1).reshape(n, -1).to(res.dtype))
         gate, up = head._lin("gate_up_proj", _norm(x, head.post_norm, c.rms_eps)).chunk(2, -1)
         return x + head._lin("down_proj", F.silu(gate) * up)
-
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-                   ) -> torch.Tensor:
-        """softmax(q kᵀ / √d + mask) v in float32: q (1, nq, n, d) float32 over keys, values (1, kv, W, d)
-        in the cache's dtype, mask (n, W) additive or None (every query sees every key). A reduced-precision
-        cache goes through the float32-accumulating kernel (methods.core.mixed_attention), a float32 one
-        through PyTorch's SDPA."""
-        if keys.dtype != torch.float32:
-            return mixed.mixed_attention(q, keys, values, None if mask is None else mask[None, None],
-                                         self._scale)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self._gqa)
 
     def drop_pending(self) -> None:
         self.anc = np.zeros((0, 0), dtype=bool)
 
 
 def kv_cache_dtype(head: EagleHead, mixed_ok: bool = True) -> torch.dtype:
-    """The head's K/V storage dtype: its own bf16 / fp16 on CPU where the float32-accumulating attention
-    kernel is built (methods.core.mixed_attention; ``mixed_ok`` False: never), else float32. Lossless as the
-    target's cache (mixed_attention.cache_dtype): K and V are computed in the head's dtype (qkv_proj, then
-    the rotation), so storing them in it keeps the float32 cache's values in half the bytes, and the kernel
-    accumulates in float32 like the float32 SDPA. A float32 head keeps float32 K/V and SDPA, exact."""
-    w = head.qkv_proj.weight
-    reduced = w.dtype in (torch.bfloat16, torch.float16)
-    if mixed_ok and reduced and w.device.type == "cpu" and mixed.available():
-        return w.dtype
-    return torch.float32
+    """The head's K/V storage dtype, by the target engines' rule (``mixed_attention.cache_dtype`` under
+    float32 attention, read off the head's weights): its own bf16 / fp16 on CPU where the float32-accumulating
+    kernel is built (``mixed_ok`` False: never), else float32. Lossless as the target's cache: K and V are
+    computed in the head's dtype (qkv_proj, then the rotation). A float32 head keeps float32 K/V and SDPA."""
+    return cache_dtype(head.qkv_proj.weight, torch.float32, True, mixed_ok)
 
 
 def grow_ancestors(anc: np.ndarray, parents: np.ndarray) -> np.ndarray:
