@@ -404,7 +404,7 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
     ranks: list[list[int | None]] = [[] for _ in range(depths)]
-    runs: list[list[list[int]]] | None = [] if law is not None and not rule.sample else None
+    runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # used at T = 0 only
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
