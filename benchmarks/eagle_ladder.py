@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="more run.py overrides for every rung")
     args = ap.parse_args(argv)
     n = budget(args.k, args.depth)
-    rungs = ladder(args.k, args.depth, args.top_k)
-    top_k = int(rungs["eagle2"][-1].split("=")[1])
+    top_k = dynamic_top_k(n, args.depth) if args.top_k is None else args.top_k
+    rungs = ladder(args.k, args.depth, top_k)
     print(f"verification budget: {n} draft tokens (+ root) per step, depth {args.depth}, "
           f"workload {args.workload}; dynamic top_k {top_k} (pool {dynamic_pool(top_k, args.depth)})")
     rows = []

@@ -431,7 +431,7 @@ def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:
             out[f"calibration_{key}"] = profile.extra[key]
     terms = draft_terms(profile)
     if terms is not None:
-        out["calibration_draft_terms"] = list(terms)  # (F, a, b, e) in t(1): profiles.draft_terms
+        out["calibration_draft_terms"] = list(terms)  # (F, a, b, e, c) in t(1): profiles.draft_terms
     return out
 
 

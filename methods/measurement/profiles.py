@@ -366,10 +366,10 @@ def forward_excess_ratio(profile: Profile, n: int) -> float:
     26–64-node trees read their verification +10% on average (30 rows; +0.6% with the float32 cache's
     SDPA, where the excess did grow with t(n))."""
     excess = loop_forward_excess(profile)
-    table = MeasuredCost.from_mapping(profile.t_n_ratios)
-    t_n = float(table.time(n))
     if excess is None:
         return 0.0
+    table = MeasuredCost.from_mapping(profile.t_n_ratios)
+    t_n = float(table.time(n))
     wide = {int(k): float(v) for k, v in (profile.extra.get("loop_verify_wide") or {}).items()}
     t_f = loop_forward_ratio(profile)
     big = max(wide, default=0)
