@@ -238,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     table = rows(args.papers)
     print(markdown(table))
     for r in misses(table):
-        print(f"miss > 15%: {r['paper']} {r['row']}: speedup {r['speedup_error']:+.0%}, "
-              f"t_AR {r['ar_error']:+.0%}" if not math.isnan(r["ar_error"]) else
-              f"miss > 15%: {r['paper']} {r['row']}: speedup {r['speedup_error']:+.0%}")
+        errors = [f"{name} {r[key]:+.0%}" for name, key in
+                  (("speedup", "speedup_error"), ("t_AR", "ar_error"), ("t_step", "step_error"))
+                  if not math.isnan(r[key])]
+        print(f"miss > 15%: {r['paper']} {r['row']}: " + ", ".join(errors))
     if args.json:
         args.json.write_text(json.dumps(table, indent=1, default=str))
     return 0

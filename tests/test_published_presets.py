@@ -210,3 +210,30 @@ def test_published_figures_agree_with_each_other():
                 assert ratio == pytest.approx(pub["speedup"], rel=0.02), row["id"]
                 checked += 1
     assert checked >= 4
+
+
+def test_published_step_time_sets_its_own_error():
+    """A row that publishes the speculation step's time gets predicted beside it and its error, and a step
+    that misses alone is reported as a miss (the cost side apart from τ); rows without one show NaN."""
+    from specsim.published import Forecast, misses, table_row
+
+    f = Forecast(speedup=2.0, tau=2.5, t_ar_ms=14.0, t_step_ms=16.0, tree_size=64, tree_depth=4, alpha=0.5,
+                 roofline_speedup=2.1)
+    with_step = table_row("P", {"id": "a", "published": {"speedup": 2.0, "step_ms": 25.0}}, f)
+    assert with_step["published_step_ms"] == 25.0 and with_step["predicted_step_ms"] == 16.0
+    assert with_step["step_error"] == pytest.approx(16.0 / 25.0 - 1.0)
+    without = table_row("P", {"id": "b", "published": {"speedup": 2.0}}, f)
+    assert math.isnan(without["step_error"])
+    assert [r["row"] for r in misses([with_step, without])] == ["a"]  # speedup exact: the step alone misses
+
+
+@pytest.mark.parametrize(("index", "context", "step_ms"), [(0, 504, 25.3), (1, 532, 35.7), (2, 532, None)])
+def test_medusa_mt_bench_rows_use_the_measured_workload(run_config, index, context, step_ms):
+    """Medusa's MT-bench rows run at the KV length measured on Medusa's own MT-bench answer files (504 tokens
+    on Vicuna-7B, 532 on 13B, not the preset's 512 guess), and the report rows carry those files' step
+    time."""
+    paper = _paper("medusa")
+    row = paper["rows"][index]
+    cfg = run_config(f"experiment={paper['experiment_default']}", "task=simulate", *row["overrides"])
+    assert cfg.workload.context_tokens == context
+    assert row["published"].get("step_ms") == step_ms
