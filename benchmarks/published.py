@@ -147,7 +147,7 @@ def magicdec_rows(path: Path = MAGICDEC, latency: bool = True) -> list[dict[str,
     """The published per-batch speedups (the yaml's ``rows``) beside the prediction at the row's α (its
     target's own published one, or a stand-in: the yaml's ``targets``), with the error, the prediction
     without the all-reduce latency, and the α the published speedup needs on this cost model."""
-    from specsim.magicdec import self_spec_speedup
+    from specsim.magicdec import self_spec_speedup, verify_ratio_for
 
     d = load_yaml(path)
     out = []
@@ -171,7 +171,10 @@ def magicdec_rows(path: Path = MAGICDEC, latency: bool = True) -> list[dict[str,
                     "no_latency": speedup_at(alpha, f=0.0),
                     "alpha_for_published": alpha_reaching(speedup_at, published),
                     "extra_ms_for_published": 1e3 * fixed_reaching(
-                        lambda x, a=alpha, f0=f: speedup_at(a, f=f0 + x), published)})
+                        lambda x, a=alpha, f0=f: speedup_at(a, f=f0 + x), published),
+                    "verify_ar_model": verify_ratio_for(cost, b, ctx, d["budget"], g, alpha, pred, f),
+                    "verify_ar_for_published": verify_ratio_for(cost, b, ctx, d["budget"], g, alpha,
+                                                                published, f)})
     return out
 
 

@@ -25,13 +25,30 @@ def collective_latency_s(n_layers: int, latency_us: float, per_layer: int = 2, f
     return (per_layer * n_layers + fixed) * latency_us * 1e-6
 
 
+def forward_times(cost: BatchRoofline, batch: int, context: int, budget: int, gamma: int,
+                  per_forward_s: float = 0.0) -> tuple[float, float, float]:
+    """Seconds of one baseline forward (1 token over ``context``), one draft forward (1 token over the
+    ``budget``) and the verification (γ + 1 tokens over ``context``), each with ``per_forward_s``."""
+    full, sparse = cost.at_context(context), cost.at_context(budget)
+    f = float(per_forward_s)
+    return (float(full.time(batch, 1)) + f, float(sparse.time(batch, 1)) + f,
+            float(full.time(batch, gamma + 1)) + f)
+
+
 def self_spec_speedup(cost: BatchRoofline, batch: int, context: int, budget: int, gamma: int,
                       alpha: float, per_forward_s: float = 0.0) -> float:
     """S(B) of MagicDec's self-speculation: the target drafts γ tokens over a KV budget of ``budget`` tokens
     (StreamingLLM: sink + window) and verifies γ + 1 over its full ``context``; every forward (the baseline's,
     each draft's and the verification) adds ``per_forward_s``."""
-    full, sparse = cost.at_context(context), cost.at_context(budget)
-    tau = float(chain_expected_tokens(alpha, gamma))
-    f = float(per_forward_s)
-    step = gamma * (sparse.time(batch, 1) + f) + full.time(batch, gamma + 1) + f
-    return tau * (full.time(batch, 1) + f) / step
+    ar, draft, verify = forward_times(cost, batch, context, budget, gamma, per_forward_s)
+    return float(chain_expected_tokens(alpha, gamma)) * ar / (gamma * draft + verify)
+
+
+def verify_ratio_for(cost: BatchRoofline, batch: int, context: int, budget: int, gamma: int, alpha: float,
+                     speedup: float, per_forward_s: float = 0.0) -> float:
+    """A diagnostic, never an input: the verification's time, in baseline forwards, that would give
+    ``speedup`` at ``alpha`` with the drafts priced as modelled: (τ / S · t_AR − γ · t_draft) / t_AR. The
+    model's own ratio is t(B, γ + 1; L) / t(B, 1; L), near 1 where the KV cache dominates."""
+    ar, draft, _ = forward_times(cost, batch, context, budget, gamma, per_forward_s)
+    step = float(chain_expected_tokens(alpha, gamma)) / speedup * ar
+    return (step - gamma * draft) / ar

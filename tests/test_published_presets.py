@@ -237,3 +237,24 @@ def test_medusa_mt_bench_rows_use_the_measured_workload(run_config, index, conte
     cfg = run_config(f"experiment={paper['experiment_default']}", "task=simulate", *row["overrides"])
     assert cfg.workload.context_tokens == context
     assert row["published"].get("step_ms") == step_ms
+
+
+def test_magicdec_verify_ratio_for_published():
+    """The diagnostic column: at the model's own speedup the verification costs what the model prices it
+    (t(B, γ + 1; L) / t(B, 1; L)); at the published one, a step of γ modelled drafts plus that many baseline
+    forwards gives the published speedup back."""
+    from specsim.expected import chain_expected_tokens
+    from specsim.magicdec import forward_times, verify_ratio_for
+
+    runner = _runner()
+    spec = yaml.safe_load((PUBLISHED / "batch" / "magicdec.yaml").read_text())
+    for r in runner.magicdec_rows():
+        cost = runner._magicdec_cost(spec, r["model"])
+        f = runner._magicdec_latency(spec, cost)
+        ar, draft, verify = forward_times(cost, r["batch"], r["context"], spec["budget"], r["gamma"], f)
+        assert r["verify_ar_model"] == pytest.approx(verify / ar, rel=1e-9)
+        tau = float(chain_expected_tokens(r["alpha"], r["gamma"]))
+        step = r["gamma"] * draft + r["verify_ar_for_published"] * ar
+        assert tau * ar / step == pytest.approx(r["published"], rel=1e-9)
+    assert verify_ratio_for(cost, 8, 8000, 512, 3, 0.8, 1.0, 0.0) > verify_ratio_for(
+        cost, 8, 8000, 512, 3, 0.8, 2.0, 0.0)  # a lower published speedup needs a dearer verification
