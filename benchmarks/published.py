@@ -5,6 +5,8 @@ framework costs of conf/published/runtimes.yaml, and set beside the paper's figu
     python benchmarks/published.py                         # the Markdown table (docs/published.md has it)
     python benchmarks/published.py --json out.json         # the rows as JSON as well
     python benchmarks/published.py --count-kernels         # the microbenchmark behind runtimes.yaml (CPU)
+    python benchmarks/published.py --count-kernels --transformers-path DIR --attention eager
+                               # the same on a paper's transformers (pip install --target DIR ...==4.34.1)
     python benchmarks/published.py --magicdec              # MagicDec: speedup vs batch (conf/published/batch)
 
 Pure simulation (a second per row); --count-kernels builds tiny random Llamas (seconds, torch + transformers).
@@ -178,40 +180,57 @@ def magicdec_rows(path: Path = MAGICDEC, latency: bool = True) -> list[dict[str,
     return out
 
 
-def count_kernels(layers: tuple[int, int] = (2, 8), reps: int = 40) -> dict[str, float]:
+def count_kernels(layers: tuple[int, int] = (2, 8), reps: int = 40, attention: str | None = None
+                  ) -> dict[str, Any]:
     """Top-level aten ops and host time of one eager HF Llama forward (one token over a 128-token cache) at
-    two depths: ops per decoder layer, fixed ops, host µs per op (thread CPU time); tiny widths."""
+    two depths: ops per decoder layer, fixed ops, host µs per layer and per op (thread CPU time, the median
+    and the fastest of ``reps`` forwards); tiny widths. Runs on
+    whichever transformers is importable (``--transformers-path`` puts an older one first): a legacy tuple
+    cache (transformers 4.x) is not mutated by a forward, a Cache object is cropped back after each.
+    ``attention`` sets the attention implementation where the version has the choice ("eager": the papers'
+    own Llama copies compute the scores with matmul + softmax)."""
     import time
 
     import torch
+    import transformers
     from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(1)
-    ops, secs = {}, {}
+    ops, secs, fastest, attn_class = {}, {}, {}, ""
     for n in layers:
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=n,
                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+        if attention is not None:
+            cfg._attn_implementation = attention
         model = LlamaForCausalLM(cfg).eval()
+        attn_class = type(model.model.layers[0].self_attn).__name__ + ":" + str(
+            getattr(model.config, "_attn_implementation", "eager"))
         with torch.no_grad():
             cache = model(torch.randint(0, 256, (1, 128)), use_cache=True).past_key_values
             token = torch.randint(0, 256, (1, 1))
+            legacy = isinstance(cache, tuple)
+
             times = []
             for _ in range(reps):
                 t = time.thread_time()  # this thread's CPU time: robust to a loaded machine's other jobs
                 model(token, past_key_values=cache, use_cache=True)
                 times.append(time.thread_time() - t)
-                cache.crop(-1)
+                if not legacy:
+                    cache.crop(-1)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 model(token, past_key_values=cache, use_cache=True)
         top = [e for e in prof.events() if e.name.startswith("aten::")
                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-        ops[n], secs[n] = len(top), sorted(times)[len(times) // 2]
+        ops[n], secs[n], fastest[n] = len(top), sorted(times)[len(times) // 2], min(times)
     lo, hi = layers
     per_layer = (ops[hi] - ops[lo]) / (hi - lo)
     host_per_layer = (secs[hi] - secs[lo]) / (hi - lo)
-    return {"ops_per_layer": per_layer, "fixed_ops": ops[lo] - lo * per_layer,
-            "host_us_per_layer": host_per_layer * 1e6, "host_us_per_op": host_per_layer * 1e6 / per_layer}
+    host_min = (fastest[hi] - fastest[lo]) / (hi - lo)  # the fastest rep: least disturbed by other jobs
+    return {"transformers": transformers.__version__, "torch": torch.__version__, "attention": attn_class,
+            "ops_per_layer": per_layer, "fixed_ops": ops[lo] - lo * per_layer,
+            "host_us_per_layer": host_per_layer * 1e6, "host_us_per_op": host_per_layer * 1e6 / per_layer,
+            "host_us_per_layer_min": host_min * 1e6, "host_us_per_op_min": host_min * 1e6 / per_layer}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,10 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--papers", nargs="*", help="paper files to run (stems of conf/published/*.yaml)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--count-kernels", action="store_true", help="run the kernel-count microbenchmark only")
+    ap.add_argument("--transformers-path", type=Path,
+                    help="with --count-kernels: a folder holding another transformers "
+                         "(pip install --target), imported before the installed one")
+    ap.add_argument("--attention", help="with --count-kernels: the attention implementation (e.g. eager)")
+    ap.add_argument("--reps", type=int, default=40, help="with --count-kernels: timed forwards per depth")
     ap.add_argument("--magicdec", action="store_true", help="MagicDec's speedup vs batch size only")
     args = ap.parse_args(argv)
     if args.count_kernels:
-        print(json.dumps(count_kernels(), indent=1))
+        if args.transformers_path is not None:
+            assert "transformers" not in sys.modules, "transformers imported before --transformers-path"
+            sys.path.insert(0, str(args.transformers_path))
+        print(json.dumps(count_kernels(reps=args.reps, attention=args.attention), indent=1))
         return 0
     if args.magicdec:
         def cell(v: Any) -> str:
