@@ -68,7 +68,7 @@ EXCLUDED: dict[tuple[str, str], str] = {
 # whose drafts are deterministic (q one-hot) take the deterministic verifier, lossless at any temperature.
 DETERMINISTIC_AT_T1 = ("autoregressive", "prompt_lookup", "lookahead", "staged", "eagle2", "eagle3")
 # Test prompts: every row decodes prompts until τ's relative standard error is at most the experiment's
-# workload.tau_se_target (1.2%: 2.5 s.e. inside the 3% goal) or its num_prompts cap (40, under the splits'
+# workload.tau_se_target (1.2%: 2.5 s.e. inside the 3% goal) or its num_prompts cap (32, under the splits'
 # 51-59 documents, each prompt from another document first) is reached (the sequential rule,
 # specsim.tau_error). At the former fixed 4 prompts × 48 tokens τ's s.e. was 3-7% (zoo7: 93% of rows within
 # 2 s.e., 41% within 3%); SpecInfer (a step accepts 0-8 drafts), prompt lookup and Online SD (τ a property
