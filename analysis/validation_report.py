@@ -49,6 +49,9 @@ def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
         "T": t["temperature"].map(lambda x: f"{x:g}"),
         "τ pred": t["tau_pred"].map("{:.2f}".format), "τ meas": t["tau_meas"].map("{:.2f}".format),
         "τ err": t["tau_err"].map(pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),
+        "pred s.e.": t["tau_pred_se_rel"].map(lambda x: "–" if not np.isfinite(x) else f"{x:.1%}"),
+        "≤2σ": t["tau_within_2se"].map(lambda x: "yes" if x else "no"),
+        "prompts": t["prompts"].map(lambda x: "–" if not np.isfinite(x) else f"{x:.0f}"),
         "S pred": t["speedup_pred"].map("{:.2f}".format), "S meas": t["speedup_meas"].map("{:.2f}".format),
         "S err": t["speedup_err"].map(pct), "diagnosis": t["diagnosis"],
     })
@@ -59,7 +62,10 @@ def summary_lines(s: dict) -> list[str]:
         f"- rows: {s['rows']}",
         f"- τ error (|pred/meas − 1|): median {s['tau_err_median']:.1%}, max {s['tau_err_max']:.1%}; "
         f"within 3%: {s['share_tau_within_3pct']:.0%} of rows; within 2 standard errors of the measured τ: "
-        f"{s['share_tau_within_2se']:.0%}",
+        f"{s['share_tau_within_2se']:.0%}; within 2 combined s.e. (measured ⊕ predicted): "
+        f"{s['share_tau_within_2se_combined']:.0%}",
+        f"- τ's sampling error (median): measured {s['tau_se_median']:.1%}, predicted (calibration split) "
+        f"{s['tau_pred_se_median']:.1%}",
         f"- speedup error: median {s['speedup_err_median']:.1%}, max {s['speedup_err_max']:.1%}; within 10%: "
         f"{s['share_speedup_within_10pct']:.0%} of rows",
         f"- both goals: {s['share_both']:.0%} of rows",

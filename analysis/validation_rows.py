@@ -67,22 +67,14 @@ EXCLUDED: dict[tuple[str, str], str] = {
 # chain on chains, SpecInfer's multi-round rejection on static trees, Sequoia's on Sequoia trees; drafters
 # whose drafts are deterministic (q one-hot) take the deterministic verifier, lossless at any temperature.
 DETERMINISTIC_AT_T1 = ("autoregressive", "prompt_lookup", "lookahead", "staged", "eagle2", "eagle3")
-# test prompts of the methods whose τ varies most from step to step or from prompt to prompt (the
-# experiment's 4 for the others): a SpecInfer step accepts 0–8 drafts, and 4 prompts × 48 tokens measured its
-# τ to 9–10% (one standard error); grounded T = 1 read +27.8% on 4 prompts and +12.6% on 16 (4.5%). Prompt
-# lookup's τ is a property of the prompt (how much of it the continuation copies: 1.07–1.85 per prompt on
-# prose): its standard error across 4 prompts was 4–10%, across 16 3.5–4.3%; prose T = 0 read +7.2% on 4
-# prompts and −1.4% on 16. Its rows take no draft model: 16 prompts cost ~30 s a row more. Online SD's draft
-# is weak (p_1 0.08-0.6) and its τ varies by prompt: code T = 1 read +17.2% (s.e. 4.8%) on 4 prompts, whose
-# own loop accepted 0.22 at depth 1 where the split's 16 prompts' stars read 0.315; −2.8% (s.e. 3.0%) on 16.
-PROMPTS = {"specinfer": 12, "prompt_lookup": 16, "online": 16}
-# test prompts of a (workload, temperature), for every method (the larger count wins): greedy decoding
-# continues each prompt one way, so a T = 0 row's acceptance is that of its prompts' fixed continuations.
-# The experiment's 4 code prompts are among the split's hardest for the draft models: on them every code
-# T = 0 row of vanilla, Sequoia, staged and EAGLE-1 read τ 11-21% below the prediction (beyond 2 standard
-# errors: the 4 agree with each other, 2.2-2.6 for vanilla), their T = 1 rows within 2 s.e.; vanilla on 16
-# prompts read +2.6%. A code T = 0 row costs ~30 s more (quiet).
-PROMPTS_BY_WORKLOAD = {("code", 0.0): 16}
+# Test prompts: every row decodes prompts until τ's relative standard error is at most the experiment's
+# workload.tau_se_target (1.2%: 2.5 s.e. inside the 3% goal) or its num_prompts cap (32, under the splits'
+# 51-59 documents, each prompt from another document first) is reached (the sequential rule,
+# specsim.tau_error). At the former fixed 4 prompts × 48 tokens τ's s.e. was 3-7% (zoo7: 93% of rows within
+# 2 s.e., 41% within 3%); SpecInfer (a step accepts 0-8 drafts), prompt lookup and Online SD (τ a property
+# of the prompt) and greedy code (the experiment's first 4 code prompts are among the split's hardest: every
+# code T = 0 row of vanilla, Sequoia, staged and EAGLE-1 read τ 11-21% below the prediction on them) took
+# 12-16 by hand; the rule gives every row the same precision instead of a per-method count.
 
 
 @dataclass(frozen=True)
@@ -149,15 +141,13 @@ def _row(method: str, tree: str, workload: str, temperature: float, extra: Seque
           *tree_overrides(tree)]
     if temperature > 0:
         ov.append(f"method.verifier={t1_verifier(method, tree)}")
-    prompts = max(PROMPTS.get(method, 0), PROMPTS_BY_WORKLOAD.get((workload, float(temperature)), 0))
-    if prompts and not any(e.startswith("workload.num_prompts=") for e in extra):
-        ov.append(f"workload.num_prompts={prompts}")
     return Row(method, tree, workload, temperature, tuple([*ov, *extra]))
 
 
 # ---- the driver -----------------------------------------------------------------------------------------
-SMALL = ("model=micro", "workload.num_prompts=2", "workload.max_new_tokens=16", "calibration.prompts=4",
-         "calibration.new_tokens=8", "calibration.reps=3", "calibration.warmup=1", "calibration.width=8")
+SMALL = ("model=micro", "workload.num_prompts=2", "workload.tau_se_target=0", "workload.max_new_tokens=16",
+         "calibration.prompts=4", "calibration.new_tokens=8", "calibration.reps=3", "calibration.warmup=1",
+         "calibration.width=8")
 SMALL_METHODS = ("autoregressive", "vanilla", "sequoia", "prompt_lookup")  # nothing trained on first use
 
 

@@ -159,7 +159,10 @@ class WorkloadConfig:
     name: str = "code"
     split: str = "test"  # train | calibration | test
     kind: str = "code"  # code | prose | grounded | mixed | stream (code requests in sequence, none repeated)
-    num_prompts: int = 8
+    num_prompts: int = 8  # with tau_se_target > 0: the most prompts decoded
+    # task=measure: > 0 decodes prompts (each beside its baseline) until τ's relative standard error is at
+    # most this (specsim.tau_error.precise_enough, at least MIN_PROMPTS) or num_prompts are decoded; 0 = all
+    tau_se_target: float = 0.0
     prompt_tokens: int = 128
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -293,6 +296,7 @@ RANGES: dict[str, Range] = {
     "model.draft_n_layers": NON_NEGATIVE,  # 0: no draft model
     "model.draft_hidden_size": AT_LEAST_1,
     "workload.num_prompts": AT_LEAST_1,
+    "workload.tau_se_target": Range(0, 1),  # 0 = off
     "workload.prompt_tokens": AT_LEAST_1,
     "workload.max_new_tokens": AT_LEAST_1,
     "workload.temperature": NON_NEGATIVE,
@@ -362,6 +366,10 @@ def _validate_decoding(cfg: RunConfig) -> None:
     _check(w.prompt_tokens + w.max_new_tokens <= m.context_length, "workload.max_new_tokens",
            f"workload.prompt_tokens + workload.max_new_tokens = {w.prompt_tokens + w.max_new_tokens} must be "
            f"<= model.context_length={m.context_length}")
+    _check(w.tau_se_target == 0 or (w.batch_size == 1 and cfg.engine.name == "specsim"),
+           "workload.tau_se_target", f"the sequential rule decodes one prompt at a time in specsim's loop: "
+           f"needs workload.batch_size=1 and engine=specsim, got {w.tau_se_target} with batch_size="
+           f"{w.batch_size}, engine={cfg.engine.name}")
     if cfg.method.verifier == Verifier.greedy and w.temperature > 0:
         raise ConfigError(
             "method.verifier: greedy verification with workload.temperature > 0 is not lossless; "

@@ -54,6 +54,7 @@ from specsim.acceptance import from_config
 from specsim.batch import predict_at_batch
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
+from specsim.tau_error import precise_enough, steady_lengths
 from specsim.tree import Tree
 from specsim.trees import recorded_law
 
@@ -159,12 +160,15 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             decode(target, drafter, warm_ids, opts, generator)
         _forget_warmup(drafter)
         pairs = []
+        tree_depth = (getattr(drafter, "tree", None) or tree).depth
         for x in tqdm(ids, desc=f"measure {cfg.method.name}", disable=not show_progress):
             ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
             res = decode(target, drafter, x, opts, generator)
             base_t.add(ref)
             method_t.add(res)
             pairs.append((res, ref))
+            if w.tau_se_target > 0 and _tau_precise(pairs, w, tree_depth):  # the sequential rule
+                break
     for prompt, (res, ref) in zip(prompts, pairs):
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
@@ -243,6 +247,13 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         "device": str(models.device),
     })
     return RunResult(metrics, samples)
+
+
+def _tau_precise(pairs: list[tuple[DecodeResult, DecodeResult]], w, depth: int) -> bool:
+    """The sequential rule (workload.tau_se_target): τ's relative standard error over the prompts decoded so
+    far, on their steady steps (the generation's cut last steps left out, as the report measures τ)."""
+    lengths = [steady_lengths(res.accepted_lengths, w.max_new_tokens, depth) for res, _ in pairs]
+    return precise_enough([x for x in lengths if x], w.tau_se_target)
 
 
 def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.Tensor], warm: torch.Tensor,

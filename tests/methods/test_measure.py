@@ -243,3 +243,29 @@ def test_measure_batched(run_config, continuous):
     assert len(result.samples) == 3
     for prompt, sample in zip(prompts, result.samples):
         assert sample["token_ids"] == _greedy(models.target, prompt.token_ids, len(sample["token_ids"]))
+
+
+def test_the_sequential_rule_stops_once_tau_is_precise(run_config):
+    """workload.tau_se_target > 0: prompts are decoded (each beside its baseline) until τ's relative standard
+    error is at most the target, never fewer than MIN_PROMPTS; num_prompts is the cap. Autoregressive τ is
+    exactly 1 (no spread), so it stops at MIN_PROMPTS; off (0), every prompt is decoded."""
+    from specsim.tau_error import MIN_PROMPTS
+
+    base = (*SMALL, "method=autoregressive", f"workload.num_prompts={MIN_PROMPTS + 2}")
+    on = measure(run_config(*base, "workload.tau_se_target=0.01"), show_progress=False)
+    off = measure(run_config(*base), show_progress=False)
+    assert len(on.samples) == on.metrics["num_prompts"] == MIN_PROMPTS
+    assert on.metrics["baseline_n_tokens"] == on.metrics["n_tokens"]  # the baseline stopped with it
+    assert len(off.samples) == MIN_PROMPTS + 2
+
+
+def test_the_sequential_rule_decodes_to_the_cap_when_tau_stays_noisy(run_config, monkeypatch):
+    """The rule is asked after every prompt with all the prompts decoded so far; never satisfied, it decodes
+    num_prompts."""
+    import methods.measurement.measure as m
+
+    asked = []
+    monkeypatch.setattr(m, "precise_enough", lambda lengths, target: asked.append(len(lengths)) or False)
+    cfg = run_config(*SMALL, "method=vanilla", "workload.num_prompts=3", "workload.tau_se_target=0.012")
+    result = measure(cfg, show_progress=False)
+    assert len(result.samples) == 3 and len(asked) == 3 and asked == sorted(asked) and asked[-1] <= 3
