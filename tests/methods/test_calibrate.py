@@ -1234,3 +1234,26 @@ def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", budgets)
     assert not records_rank_runs(sampled)
     assert not records_rank_runs(run_config("method=prompt_lookup", budgets))  # no law: proposals
+
+
+def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it(run_config, tiny_models,
+                                                                                  cache):
+    """Online SD distils its draft between requests: its calibration decodes every prompt through the loop
+    with one drafter (as a run serves its requests), records the updates it had at each, and a run's τ is
+    the mixture of those prompts' histograms by its own requests' update counts (specsim.learning) — not
+    one law of the drafter as loaded (quiet zoo7: Online grounded T = 0 read τ −12.9%)."""
+    from methods.measurement.calibrate import LOOP_DRAFTERS
+    from methods.measurement.profiles import key_document
+    from specsim.learning import served_law
+
+    cfg = run_config(*SMALL_SELF, "method=online", "method.params.draft=zoo", "method.params.update_every=1",
+                     "method.params.mask=all", "tree=chain", "tree.gamma=3", "calibration.prompts=3")
+    assert "online" in LOOP_DRAFTERS and key_document(cfg)["acceptance_from"] == "loop"
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    extra = prof.extra
+    assert extra["learns_every"] == 1 and extra["loop_updates_by_prompt"] == [0, 1, 2]
+    assert len(extra["loop_accept_hist_by_prompt"]) == 3
+    here, preset = tree_predictions(cfg, prof, Tree.chain(3))
+    law = served_law(extra["loop_accept_hist_by_prompt"], [0, 1, 2], 1, cfg.warmup, cfg.workload.num_prompts)
+    tau = float(np.dot(np.arange(law.size), law))
+    assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
