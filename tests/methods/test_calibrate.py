@@ -1032,17 +1032,25 @@ def test_sampled_proposals_give_depth_one_stars_only():
 
 
 def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config):
-    from methods.measurement.calibrate import PROPOSAL_STARS
+    from methods.measurement.calibrate import PROPOSAL_STARS, shape_names
 
     budgets = "tree.budgets=[1,2,4,8]"
-    cfg = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
-    prof = dataclasses.replace(_profile(), drafter="online")
+    cfg = run_config("method=specinfer", "workload.temperature=1", "method.verifier=chain", "tree=chain",
+                     budgets)
+    prof = dataclasses.replace(_profile(), drafter="specinfer")
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
-                      proposal_stars=PROPOSAL_STARS)
+                      proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
+                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in shape_names(cfg)],
+                      loop_verify_wide={"33": 1.0}, draft_level_timing="drafter")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
-    assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before
+    greedy = run_config("method=specinfer", "tree=chain", budgets)
+    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in shape_names(greedy)]
+    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before
+    # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
+    online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
+    assert remeasure_reason(dataclasses.replace(old, drafter="online"), online) == ""
 
 
 GROWTH = {"1": 0.1, "2": 0.12, "8": 0.25}  # a draft level's timed growth with the nodes fed to it
