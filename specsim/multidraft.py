@@ -174,14 +174,16 @@ def accepted_law(replay: Replay, tree: Tree, reps: int = 16, seed: int = 0) -> n
         counts[1] = 1.0
         return counts
     if replay.greedy:  # the loop itself: each step rooted where the last one ended (specsim.replay.loop_law)
-        kids = _child_by_rank(tree)
+        kids, every = _child_by_rank(tree), np.zeros_like(counts)
         for ranks in replay.ranks:
             n, t = ranks.shape[0], 0
             while t < n:
                 a = min(_greedy_walk(ranks, t, tree, kids), n - t)
+                every[1 + a] += 1
                 if n - t >= tree.depth:  # a step the trajectory's end would cut is not counted
                     counts[1 + a] += 1
                 t += a + 1
+        counts = counts if counts.sum() > 0 else every  # trajectories shorter than the tree: every step
     else:
         rng = np.random.default_rng(seed)
         for i in range(len(replay.p_rows)):
