@@ -90,3 +90,30 @@ def loop_law(runs: RankRuns, tree: Tree) -> np.ndarray:
             t += a + 1
     assert law.sum() > 0, "no step of the replay had the tree's depth left: trajectories too short"
     return law / law.sum()
+
+
+def steady_lengths(lengths: Sequence[int], n_tokens: int, depth: int) -> list[int]:
+    """One generation's accepted lengths per step (drafts + the bonus, in order) without the steps whose
+    draft the generation's end cut: a step with r < ``depth`` of its ``n_tokens`` left drafts at most r deep
+    (methods.core.loop.limit_depth), so it accepts at most r drafts whatever the acceptance. Which steps are
+    kept depends on the earlier steps only, so the kept ones are steady-state steps (as a measured τ keeps,
+    analysis.validation_terms.steady_lengths, and as :func:`loop_law` counts)."""
+    kept, done = [], 0
+    for length in lengths:
+        room = n_tokens - done
+        if room >= depth:
+            kept.append(int(length))
+        done += min(int(length), room)
+    return kept
+
+
+def lengths_law(generations: Sequence[Sequence[int]], n_tokens: int, depth: int) -> np.ndarray:
+    """(depth + 2,) pmf of τ over the steady steps (:func:`steady_lengths`) of real loop generations of
+    ``n_tokens`` each with a tree ``depth`` deep: the loop's own law, where it ran on the calibration split
+    (a dynamic drafter's recorded decodes, methods.measurement.dynamic_shapes)."""
+    law = np.zeros(depth + 2)
+    for lengths in generations:
+        for k in steady_lengths(lengths, n_tokens, depth):
+            law[min(k, depth + 1)] += 1
+    assert law.sum() > 0, "no steady step in the generations"
+    return law / law.sum()

@@ -111,6 +111,9 @@ class RecordedTrees(Mapping):
     # (s, D): the drafter's draft time per step is s times a chain of D drafts' of the same method, timed in
     # the loop on the same steps' prompts (methods.measurement.dynamic_shapes.draft_scale); None: not timed
     draft_scale: tuple[float, int] | None = field(default=None)
+    # the law of τ of the loop that kept them (its steady steps, specsim.replay.lengths_law): where given,
+    # τ is the loop's own, not the trees' priced node by node; None: not recorded
+    loop: tuple[float, ...] | None = field(default=None)
 
     def __getitem__(self, tree: Tree) -> int:
         return self.counts[tree]
@@ -128,9 +131,17 @@ def recorded_law(shapes: Mapping[Tree, int], acceptance: AcceptanceLike) -> np.n
     the result is their frequency-weighted mixture of ``accepted_length_law`` under the positional
     (depth, rank) model, so Σ_k k·law[k] is the mean over the recorded trees of k̄ = Σ_v P(v accepted).
     The trees are taken as given (their shape comes from q alone); acceptance from ``acceptance``, or, where
-    ``shapes`` is a ``RecordedTrees`` with the kept nodes' own acceptance, from that (see kept_acceptance)."""
+    ``shapes`` is a ``RecordedTrees`` with the kept nodes' own acceptance, from that (see kept_acceptance).
+    Where ``shapes`` carries the recording loop's own law (``loop``), that law is returned: pricing each kept
+    tree node by node multiplies (depth, rank) rates as if independent, and both acceptance (easy and hard
+    stretches) and q's choice of tree (it grows deep where it is confident, which is where it is right) are
+    not: EAGLE-3's 8-node dynamic tree on code read τ −8% (zoo7, T = 0) and EAGLE-2's acceptance term −3.7%
+    on average, priced so."""
     total = sum(int(n) for n in shapes.values())
     assert shapes and total > 0, "need at least one recorded tree"
+    loop = getattr(shapes, "loop", None)
+    if loop is not None:  # the loop's own law on the steps that kept the trees
+        return np.asarray(loop, dtype=float)
     own = getattr(shapes, "acceptance", None)
     acceptance = own if own is not None else acceptance
     law = np.zeros(max(t.depth for t in shapes) + 2)

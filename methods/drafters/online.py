@@ -76,6 +76,12 @@ class OnlineDrafter:
         self._opt: torch.optim.Optimizer | None = None
         self._master = None  # fp32 copy of the draft that training updates
 
+    @property
+    def learns_every(self) -> int:
+        """Requests between distillation updates (0: never): its acceptance depends on how many it served,
+        so a calibration reads it through the loop over as many requests (specsim.learning)."""
+        return self.cfg.update_every
+
     @classmethod
     def from_config(cls, method: MethodConfig, tree: Tree | None, models, sampling: SamplingParams
                     ) -> OnlineDrafter:

@@ -449,20 +449,22 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
 
 
 def _depth_run(run: _Run, n_prompts: int, new_tokens: int
-               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder]:
+               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder, list[int]]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
     acceptance stats (α_d, by rank), each prompt's histogram of accepted drafts per step (the spread of
-    acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), and how many of its drafts
+    acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), how many of its drafts
     had each size and their nodes per depth (SizeRecorder: the law of the verify forward, where drafts can
-    fall short of the tree or, SpecInfer's, merge)."""
-    stats, per_prompt = AcceptStats(), []
+    fall short of the tree or, SpecInfer's, merge), and per prompt the updates a drafter that learns between
+    requests (``updates``: Online SD) had had when it decoded it (specsim.learning; all 0 for the others)."""
+    stats, per_prompt, updates = AcceptStats(), [], []
     drafter = SizeRecorder(run.drafter, run.tree.depth)
     for ids in run.prompts[:n_prompts]:
         one = decode(run.target, drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
         stats.merge(one)
         per_prompt.append(list(one.hist))
+        updates.append(len(getattr(run.drafter, "updates", ())))  # its reset distils before the prompt
         run.bar.update()
-    return stats, per_prompt, drafter
+    return stats, per_prompt, drafter, updates
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -956,6 +958,7 @@ class _Measured:
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
     wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
     rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (greedy law stars)
+    updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -986,7 +989,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats, prompt_hists, recorder = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists, recorder, updates = _depth_run(run, n_prompts, new_tokens)
     drafted = dict(sorted(recorder.sizes.items()))
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
@@ -1003,7 +1006,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs)
+                          runs, updates)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1015,6 +1018,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "temperature": cfg.workload.temperature,
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_accept_hist_by_prompt": m.prompt_hists,
+        # a drafter that learns between requests (Online SD): how often, and its updates at each prompt
+        **({"learns_every": int(run.drafter.learns_every), "loop_updates_by_prompt": m.updates}
+           if getattr(run.drafter, "learns_every", 0) else {}),
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
         "loop_verify_forward_tokens": m.forward_tokens,

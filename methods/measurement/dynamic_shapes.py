@@ -39,11 +39,13 @@ from methods.measurement.profiles import profile_lock, profile_path
 from methods.models import Models
 from specsim.config import RunConfig, TreeKind
 from specsim.io import atomic_write_json, read_json
+from specsim.replay import lengths_law
 from specsim.tree import Tree
 from specsim.trees import RecordedTrees, kept_acceptance
 
-# 2: with the kept nodes' outcomes (``kept``: tried and accepted per depth × rank); 3: with ``draft_scale``
-SHAPES_FORMAT = 3
+# 2: with the kept nodes' outcomes (``kept``: tried and accepted per depth × rank); 3: with ``draft_scale``;
+# 4: with the loop's accepted lengths per prompt and step (``loop_lengths``, its law of τ)
+SHAPES_FORMAT = 4
 SCALE_ROUNDS = 5  # interleaved rounds (one decode of each drafter each) timing draft_scale; their median
 
 
@@ -65,10 +67,11 @@ def new_tokens(cfg: RunConfig) -> int:
 
 @torch.inference_mode()
 def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True, chain_depth: int = 0
-                  ) -> tuple[Counter[Tree], list, float | None]:
+                  ) -> tuple[Counter[Tree], list, float | None, list[list[int]]]:
     """Decode the calibration prompts with ``cfg``'s dynamic-tree drafter: its kept trees → counts, its kept
-    nodes' [tried, accepted] counts per depth × rank, and (``chain_depth`` > 0) its draft time per step
-    over that of the same method on a chain of ``chain_depth`` (:func:`draft_scale`; else None)."""
+    nodes' [tried, accepted] counts per depth × rank, (``chain_depth`` > 0) its draft time per step over
+    that of the same method on a chain of ``chain_depth`` (:func:`draft_scale`; else None), and each
+    prompt's accepted lengths per step (the loop's own law, specsim.replay.lengths_law)."""
     assert TreeKind(cfg.tree.kind) == TreeKind.dynamic, "only dynamic trees are recorded"
     w, cal = cfg.workload, cfg.calibration
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
@@ -79,14 +82,17 @@ def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True, ch
     target = ModelEngine(backbone_of(drafter, models, cfg.model.name)[0])
     opts = DecodeOptions.for_method(cfg.method, sampling, n, models.tokenizer.eos_token_id)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)
+    lengths = []
     for p in tqdm(prompts, desc=f"record {cfg.method.name} trees", disable=not show_progress):
-        decode(target, drafter, torch.tensor(p.token_ids, dtype=torch.long), opts, generator)
+        r = decode(target, drafter, torch.tensor(p.token_ids, dtype=torch.long), opts, generator)
+        lengths.append([int(k) for k in r.accepted_lengths])
     shapes, kept = Counter(drafter.shapes), drafter.kept.tolist()
     if chain_depth < 1:
-        return shapes, kept, None
+        return shapes, kept, None, lengths
     chain = build_drafter(cfg.method, Tree.chain(chain_depth), models, sampling)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
-    return shapes, kept, draft_scale(target, {"dynamic": drafter, "chain": chain}, ids, opts, generator)
+    scale = draft_scale(target, {"dynamic": drafter, "chain": chain}, ids, opts, generator)
+    return shapes, kept, scale, lengths
 
 
 def draft_scale(target: ModelEngine, drafters: dict, prompts: list[torch.Tensor], opts: DecodeOptions,
@@ -133,8 +139,11 @@ def recorded(doc: dict) -> RecordedTrees:
     """A shapes file's trees with their kept nodes' acceptance and the drafter's draft scale."""
     tried, accepted = doc["kept"]
     scale = doc.get("draft_scale")
+    lengths = doc.get("loop_lengths")
+    loop = (tuple(lengths_law(lengths, int(doc["new_tokens"]), int(doc["loop_depth"])))
+            if lengths and doc.get("loop_depth") else None)
     return RecordedTrees(from_json(doc["shapes"]), kept_acceptance(tried, accepted),
-                         None if scale is None else (float(scale), int(doc["draft_scale_depth"])))
+                         None if scale is None else (float(scale), int(doc["draft_scale_depth"])), loop)
 
 
 def ensure_shapes(cfg: RunConfig, pcfg: RunConfig, models: Models, cache: Path | None = None,
@@ -154,10 +163,11 @@ def ensure_shapes(cfg: RunConfig, pcfg: RunConfig, models: Models, cache: Path |
                 pass
         print(f"recording {cfg.method.name}'s dynamic trees on the calibration split (cached in {path})",
               file=sys.stderr, flush=True)
-        shapes, kept, scale = record_shapes(cfg, models, show_progress, chain_depth)
+        shapes, kept, scale, lengths = record_shapes(cfg, models, show_progress, chain_depth)
         doc = {"format": SHAPES_FORMAT, "new_tokens": new_tokens(cfg), "prompts": cfg.calibration.prompts,
                "steps": sum(shapes.values()), "nodes_per_depth": nodes_per_depth(shapes), "kept": kept,
                "draft_scale": scale, "draft_scale_depth": chain_depth if scale is not None else 0,
+               "loop_depth": int(cfg.tree.depth), "loop_lengths": lengths,
                "shapes": to_json(shapes)}
         atomic_write_json(path, doc)
     return recorded(doc), path

@@ -30,6 +30,7 @@ from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Veri
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import tokens_per_forward
 from specsim.io import atomic_write_json, read_json
+from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.replay import RankRuns, loop_law
@@ -196,8 +197,11 @@ def star_rule(cfg: RunConfig) -> StarRule:
 # (code / prose) where the stars read 1.48 / 1.58, and every prompt lookup row of the quiet sweep was
 # optimistic (τ +1.4…+14%). Draft & Verify's adaptive exit is priced by its own law instead
 # (specsim.adaptive_exit, from the calibration's confidence table): counting its early stops as rejections
-# here too would price the exit twice
-LOOP_ACCEPTANCE = frozenset({"lookahead", "prompt_lookup"})
+# here too would price the exit twice. Online SD's q changes between requests (it distils on p every few):
+# stars of the drafter as loaded price its first requests only; its loop decodes the calibration prompts as
+# a run serves its requests, and a run's τ mixes them by the updates its own requests had (specsim.learning,
+# served_law_for)
+LOOP_ACCEPTANCE = frozenset({"lookahead", "prompt_lookup", "online"})
 
 
 def key_document(cfg: RunConfig) -> dict[str, Any]:
@@ -711,6 +715,21 @@ def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | N
     return loop_law(RankRuns.from_json(runs), tree)
 
 
+def served_law_for(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
+    """The law of τ of a drafter that learns between requests (``learns_every``: Online SD) over the run's
+    own requests (``cfg.warmup`` warm-ups, then ``workload.num_prompts``), mixed from the calibration loop's
+    per-prompt histograms by the updates each request had (specsim.learning); None for other drafters or
+    another tree than the loop's (the loop's vectors stand)."""
+    extra = profile.extra
+    every, hists = int(extra.get("learns_every") or 0), extra.get("loop_accept_hist_by_prompt")
+    updates = extra.get("loop_updates_by_prompt")
+    same = extra.get("loop_tree_size") == tree.size and extra.get("loop_tree_depth") == tree.depth
+    if every < 1 or not hists or not updates or len(hists) != len(updates) or not same:
+        return None
+    law = served_law(hists, updates, every, int(cfg.warmup), int(cfg.workload.num_prompts))
+    return np.pad(law, (0, max(0, tree.depth + 2 - law.size)))[: tree.depth + 2]
+
+
 def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:
     """``base`` (priced on the merged budget) with τ and its finite-run cut taken from ``law``."""
     tau, step, ar = float(np.dot(np.arange(law.size), law)), base["t_step_s"], base["t_ar_s"]
@@ -825,6 +844,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     if replayed is not None:  # temperature 0: the loop replayed on the calibration's trajectories
         n = cfg.workload.max_new_tokens
         here, preset = _law_summary(here, replayed, n), _law_summary(preset, replayed, n)
+    served = served_law_for(cfg, profile, tree) if exits is None and multi is None and not shapes else None
+    if served is not None:  # a drafter that learns between requests: the run's requests' mixture
+        n = cfg.workload.max_new_tokens
+        here, preset = _law_summary(here, served, n), _law_summary(preset, served, n)
     sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
         def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)

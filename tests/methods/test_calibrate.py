@@ -1032,17 +1032,25 @@ def test_sampled_proposals_give_depth_one_stars_only():
 
 
 def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config):
-    from methods.measurement.calibrate import PROPOSAL_STARS
+    from methods.measurement.calibrate import PROPOSAL_STARS, shape_names
 
     budgets = "tree.budgets=[1,2,4,8]"
-    cfg = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
-    prof = dataclasses.replace(_profile(), drafter="online")
+    cfg = run_config("method=specinfer", "workload.temperature=1", "method.verifier=chain", "tree=chain",
+                     budgets)
+    prof = dataclasses.replace(_profile(), drafter="specinfer")
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
-                      proposal_stars=PROPOSAL_STARS)
+                      proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
+                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in shape_names(cfg)],
+                      loop_verify_wide={"33": 1.0}, draft_level_timing="drafter")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
-    assert remeasure_reason(old, run_config("method=online", budgets)) == ""  # greedy stars: as before
+    greedy = run_config("method=specinfer", "tree=chain", budgets)
+    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in shape_names(greedy)]
+    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before
+    # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
+    online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
+    assert remeasure_reason(dataclasses.replace(old, drafter="online"), online) == ""
 
 
 GROWTH = {"1": 0.1, "2": 0.12, "8": 0.25}  # a draft level's timed growth with the nodes fed to it
@@ -1234,3 +1242,26 @@ def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", budgets)
     assert not records_rank_runs(sampled)
     assert not records_rank_runs(run_config("method=prompt_lookup", budgets))  # no law: proposals
+
+
+def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it(run_config, tiny_models,
+                                                                                  cache):
+    """Online SD distils its draft between requests: its calibration decodes every prompt through the loop
+    with one drafter (as a run serves its requests), records the updates it had at each, and a run's τ is
+    the mixture of those prompts' histograms by its own requests' update counts (specsim.learning) — not
+    one law of the drafter as loaded (quiet zoo7: Online grounded T = 0 read τ −12.9%)."""
+    from methods.measurement.calibrate import LOOP_DRAFTERS
+    from methods.measurement.profiles import key_document
+    from specsim.learning import served_law
+
+    cfg = run_config(*SMALL_SELF, "method=online", "method.params.draft=zoo", "method.params.update_every=1",
+                     "method.params.mask=all", "tree=chain", "tree.gamma=3", "calibration.prompts=3")
+    assert "online" in LOOP_DRAFTERS and key_document(cfg)["acceptance_from"] == "loop"
+    prof = ensure_profile(cfg, tiny_models, show_progress=False)
+    extra = prof.extra
+    assert extra["learns_every"] == 1 and extra["loop_updates_by_prompt"] == [0, 1, 2]
+    assert len(extra["loop_accept_hist_by_prompt"]) == 3
+    here, preset = tree_predictions(cfg, prof, Tree.chain(3))
+    law = served_law(extra["loop_accept_hist_by_prompt"], [0, 1, 2], 1, cfg.warmup, cfg.workload.num_prompts)
+    tau = float(np.dot(np.arange(law.size), law))
+    assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])

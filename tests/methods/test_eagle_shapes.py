@@ -10,8 +10,9 @@ from methods.measurement.dynamic_shapes import ensure_shapes, from_json, nodes_p
 from methods.measurement.profiles import profile_config
 from methods.models import load_models
 from specsim.io import read_json
+from specsim.replay import lengths_law
 from specsim.tree import Tree
-from specsim.trees import kept_acceptance
+from specsim.trees import kept_acceptance, recorded_law
 
 SMALL = ("model=random_tiny", "method=eagle2", "method.params.head=random", "tree=dynamic",
          "tree.total_tokens=5", "tree.depth=3", "tree.top_k=2", "workload.num_prompts=2",
@@ -45,6 +46,11 @@ def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cac
     assert len(tried) == 3 and len(tried[0]) == 2 and sum(map(sum, accepted)) <= sum(map(sum, tried))
     assert shapes.acceptance == kept_acceptance(tried, accepted)
     assert doc["draft_scale"] is None and shapes.draft_scale is None  # no loop chain given: not timed
+    # with the loop's own accepted lengths per prompt and step: its law of τ on the steady steps prices τ
+    assert len(doc["loop_lengths"]) == 2 and doc["loop_depth"] == 3
+    law = lengths_law(doc["loop_lengths"], 10, 3)
+    assert shapes.loop == pytest.approx(tuple(law))
+    assert recorded_law(shapes, [0.0, 1.0, 0.0]) == pytest.approx(law)
 
     def fail(*a, **k):
         raise AssertionError("recorded again")

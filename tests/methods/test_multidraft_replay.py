@@ -69,10 +69,22 @@ def test_greedy_replay_is_exact(seed):
     ranks = member_ranks(y[:N].numpy(), [logit_q[k, :N].numpy() for k in range(K)], width=V)
     law = accepted_law(Replay(ranks=(ranks,)), TREE)
     depth = TREE.depth
-    real = [_real_tau(logit_p, logit_q, t, False, torch.Generator()) for t in range(N - depth + 1)]
+    real, t = [], 0  # the loop: each step rooted where the last one ended, while the tree's depth is left
+    while t <= N - depth:
+        real.append(_real_tau(logit_p, logit_q, t, False, torch.Generator()))
+        t += real[-1]
     expect = np.bincount(real, minlength=depth + 2) / len(real)
     np.testing.assert_allclose(law, expect)
     assert 1.5 < np.dot(np.arange(law.size), law)  # the world is not trivial: drafts are often right
+
+
+def test_greedy_replay_walks_the_loop_not_every_root():
+    """Both drafts right three positions running, then wrong, over and over: the loop roots each step after
+    a miss and accepts 3 of a chain of 4 (τ = 4 every step); every root weighed alike would read
+    (4 + 3 + 2 + 1) / 4 = 2.5."""
+    ranks = np.array([[0, 0], [0, 0], [0, 0], [-1, -1]] * 10)
+    law = accepted_law(Replay(ranks=(ranks,)), Tree.chain(4))
+    assert law[4] == pytest.approx(1.0)
 
 
 @pytest.mark.slow

@@ -51,3 +51,13 @@ def test_kept_acceptance_is_the_ratio_per_depth_and_rank_and_prices_recorded_tre
     assert not np.allclose(recorded_law(rec, MODEL), recorded_law({CHAIN: 3, WIDE: 1}, MODEL))
     plain = recorded_law({CHAIN: 1}, MODEL)
     np.testing.assert_allclose(recorded_law(RecordedTrees({CHAIN: 1}), MODEL), plain)
+
+
+def test_the_recording_loops_own_law_prices_tau_where_recorded():
+    """Where the record carries the loop's law on its steady steps, τ is that law, not the kept trees priced
+    node by node (whose (depth, rank) rates multiply as if independent)."""
+    kept = kept_acceptance(np.array([[10, 4], [5, 0]]), np.array([[6, 1], [2, 0]]))
+    loop = (0.0, 0.2, 0.3, 0.5)
+    rec = RecordedTrees({CHAIN: 3, WIDE: 1}, kept, loop=loop)
+    np.testing.assert_allclose(recorded_law(rec, MODEL), loop)
+    assert not np.allclose(recorded_law(RecordedTrees({CHAIN: 3, WIDE: 1}, kept), MODEL), loop)

@@ -9,7 +9,7 @@ import pytest
 
 from specsim.acceptance import PositionalAcceptance
 from specsim.expected import expected_tokens
-from specsim.replay import RankRuns, accepted_drafts, loop_law
+from specsim.replay import RankRuns, accepted_drafts, lengths_law, loop_law, steady_lengths
 from specsim.tree import Tree
 
 
@@ -74,3 +74,14 @@ def test_steps_the_trajectorys_end_would_cut_are_not_counted():
 def test_json_round_trip():
     runs = RankRuns((((0, -1, 2), (1, 0)), ((0,), ())))
     assert RankRuns.from_json(runs.to_json()) == runs and runs.depths == 2
+
+
+def test_the_loops_own_lengths_give_its_law_on_the_steady_steps():
+    """Generations of 10 tokens with a tree 3 deep: a step with fewer than 3 tokens left was cut by the end
+    (it could accept at most what was left), so it is not counted, as a measured τ does not count it."""
+    one = [4, 4, 1, 3]  # 4 + 4 = 8 done: the third step had 2 left (cut); the fourth had 1 left (cut)
+    assert steady_lengths(one, 10, 3) == [4, 4]
+    two = [1, 2, 4, 2, 4]  # 1, 3, 7 done: the fourth step had 3 left (kept), the fifth 1 (cut)
+    assert steady_lengths(two, 10, 3) == [1, 2, 4, 2]
+    law = lengths_law([one, two], 10, 3)
+    assert law.tolist() == pytest.approx([0, 1 / 6, 2 / 6, 0, 3 / 6]) and _tau(law) == pytest.approx(17 / 6)
