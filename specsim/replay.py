@@ -18,7 +18,7 @@ against 4.107).
 
 Depths past the recorded ones (a tree deeper than the drafter's laws) read the deepest law at a later root,
 as the vectors repeat their last one. Steps the trajectory's end would cut (fewer tokens left than the tree is
-deep) are left out, as a measured τ leaves them out (analysis.validation_terms.steady_lengths).
+deep) are left out, as a measured τ leaves them out (specsim.tau_error.steady_lengths).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specsim.tau_error import steady_lengths
 from specsim.tree import Tree
 
 
@@ -90,21 +91,6 @@ def loop_law(runs: RankRuns, tree: Tree) -> np.ndarray:
             t += a + 1
     assert law.sum() > 0, "no step of the replay had the tree's depth left: trajectories too short"
     return law / law.sum()
-
-
-def steady_lengths(lengths: Sequence[int], n_tokens: int, depth: int) -> list[int]:
-    """One generation's accepted lengths per step (drafts + the bonus, in order) without the steps whose
-    draft the generation's end cut: a step with r < ``depth`` of its ``n_tokens`` left drafts at most r deep
-    (methods.core.loop.limit_depth), so it accepts at most r drafts whatever the acceptance. Which steps are
-    kept depends on the earlier steps only, so the kept ones are steady-state steps (as a measured τ keeps,
-    analysis.validation_terms.steady_lengths, and as :func:`loop_law` counts)."""
-    kept, done = [], 0
-    for length in lengths:
-        room = n_tokens - done
-        if room >= depth:
-            kept.append(int(length))
-        done += min(int(length), room)
-    return kept
 
 
 def lengths_law(generations: Sequence[Sequence[int]], n_tokens: int, depth: int) -> np.ndarray:

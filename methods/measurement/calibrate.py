@@ -1016,6 +1016,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
     return {
         "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
         "temperature": cfg.workload.temperature,
+        "split_sizes": split_sizes(cfg),
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_accept_hist_by_prompt": m.prompt_hists,
         # a drafter that learns between requests (Online SD): how often, and its updates at each prompt
@@ -1211,6 +1212,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
     """Why a cached profile cannot serve ``cfg`` ("" when it can)."""
     if profile is None:
         return "no profile yet"
+    if smaller := smaller_split(profile, cfg):
+        return f"calibrated on a smaller split than asked ({smaller})"
     if missing_budgets(profile, cfg):
         return f"no t(n) for budgets {missing_budgets(profile, cfg)}"
     if profile.stale:
@@ -1232,6 +1235,24 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
     if records_rank_runs(cfg) and not profile.extra.get("rank_runs"):
         return "no accepted rank per root to replay the greedy loop on (an older calibration)"
     return missing_self_draft(profile, cfg)
+
+
+# the calibration split's sizes before profiles recorded them (CalibrationConfig's defaults since format 8)
+UNRECORDED_SPLIT = {"prompts": 24, "new_tokens": 32, "depth_prompts": 4}
+
+
+def split_sizes(cfg: RunConfig) -> dict[str, int]:
+    """How much of the calibration split a calibration of ``cfg`` reads (kept in the profile)."""
+    c = cfg.calibration
+    return {"prompts": int(c.prompts), "new_tokens": int(c.new_tokens), "depth_prompts": int(c.depth_prompts)}
+
+
+def smaller_split(profile: Profile, cfg: RunConfig) -> str:
+    """The sizes where ``profile`` read less of the calibration split than ``cfg`` asks ("" if none): the
+    split's size is not in the profile key (a larger sample estimates the same acceptance), so a profile of
+    24 x 32 positions would otherwise serve a request for 48 x 32; a larger one serves a smaller request."""
+    had = profile.extra.get("split_sizes") or UNRECORDED_SPLIT
+    return ", ".join(f"{k} {had.get(k, 0)} < {v}" for k, v in split_sizes(cfg).items() if had.get(k, 0) < v)
 
 
 def records_rank_runs(cfg: RunConfig) -> bool:

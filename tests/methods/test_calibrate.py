@@ -30,6 +30,7 @@ from methods.measurement.calibrate import (
     pass_tree,
     rank_vector,
     remeasure_reason,
+    split_sizes,
     star_children,
     star_ranks,
     times_wide_loop,
@@ -342,6 +343,21 @@ def test_the_loops_forward_excess_is_measured_on_a_wide_tree():
     assert to_measured_cost(untimed).time(64) == pytest.approx(to_measured_cost(prof).time(64))
 
 
+def test_a_profile_of_a_smaller_calibration_split_is_measured_again(run_config):
+    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
+    prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, rank_runs=[[[0, -1]]],
+                      loop_verify_wide={"32": 3.0})
+    assert remeasure_reason(prof, cfg) == ""  # no record: the defaults it was taken at (24 x 32, 4)
+    more = run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.prompts=48")
+    assert profile_key(more) == profile_key(cfg)  # the same profile, asked for at more power
+    assert "prompts 24 < 48" in remeasure_reason(prof, more)
+    prof.extra.update(split_sizes={"prompts": 48, "new_tokens": 32, "depth_prompts": 4})
+    assert remeasure_reason(prof, more) == "" and remeasure_reason(prof, cfg) == ""  # a larger one serves
+    assert "new_tokens 32 < 48" in remeasure_reason(
+        prof, run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.new_tokens=48"))
+
+
 def test_a_profile_without_the_wide_loop_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
@@ -491,6 +507,7 @@ def test_medusa_profile_has_one_vector_per_head(run_config, tiny_models, cache):
     assert vanilla.acceptance_vectors_by_depth == ()  # a draft model's law is positional
     assert "draft_pass_chain_ratios" not in vanilla.extra  # its draft is priced per level (draft_levels)
     assert remeasure_reason(vanilla, run_config(*SMALL, "method=vanilla")) == ""
+    assert vanilla.extra["split_sizes"] == split_sizes(run_config(*SMALL, "method=vanilla"))
     older = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if "draft_pass" not in k})
     assert "pass per tree" in remeasure_reason(older, cfg)
 
