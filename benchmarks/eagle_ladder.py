@@ -66,6 +66,23 @@ def ladder(k: int, depth: int, top_k: int | None = None) -> dict[str, list[str]]
             "eagle2": ["method=eagle2", *dynamic], "eagle3": ["method=eagle3", *dynamic]}
 
 
+def rung_dir(name: str, workload: str, n: int, depth: int, top_k: int) -> str:
+    """The run directory of one rung under ``--out``."""
+    return f"{name}-{workload}-n{n}-d{depth}-t{top_k}"
+
+
+def run_rung(rung: list[str], workload: str, threads: int, run_dir: Path, extra: list[str] = (),
+             dry_run: bool = False) -> dict | None:
+    """``run.py RUNG ... EXTRA`` (task=measure) into ``run_dir``; its metrics.json (None with ``dry_run``)."""
+    cmd = [sys.executable, str(ROOT / "run.py"), *rung, f"workload={workload}", f"threads={threads}",
+           f"hydra.run.dir={run_dir}", *extra]
+    print(" ".join(cmd[1:]), flush=True)
+    if dry_run:
+        return None
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((ROOT / run_dir / "metrics.json").read_text())
+
+
 def unequal(nodes: dict[str, float], tolerance: float = 0.05) -> list[str]:
     """The rungs whose mean verified nodes per step fall more than ``tolerance`` below the largest."""
     top = max(nodes.values(), default=0.0)
@@ -106,15 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, over in rungs.items():
         if args.only and name not in args.only:
             continue
-        run_dir = Path(args.out) / f"{name}-{args.workload}-n{n}-d{args.depth}-t{top_k}"
-        cmd = [sys.executable, str(ROOT / "run.py"), *over, f"workload={args.workload}",
-               f"threads={args.threads}", f"hydra.run.dir={run_dir}", *args.overrides]
-        print(" ".join(cmd[1:]), flush=True)
-        if args.dry_run:
-            continue
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        m = json.loads((ROOT / run_dir / "metrics.json").read_text())
-        rows.append((name, m))
+        run_dir = Path(args.out) / rung_dir(name, args.workload, n, args.depth, top_k)
+        m = run_rung(over, args.workload, args.threads, run_dir, args.overrides, args.dry_run)
+        if m is not None:
+            rows.append((name, m))
     if not rows:
         return 0
     nodes = {name: verified_nodes(m) for name, m in rows}

@@ -253,3 +253,55 @@ def test_each_pass_starts_with_a_fresh_drafter_so_no_pass_has_seen_its_prompts()
     timed = seen_before[2:]  # after the two warm-up calls: the selection pass and two reps
     assert timed == [0, 1, 2] * 3
     assert path.equal == path.runs == 9
+
+
+def test_eagle3_ablation_rows_and_arguments(tmp_path):
+    """benchmarks/eagle3_ablation.py: the budget curve at the preset's layers and the layer choice at a fixed
+    step count, windows scaled as the preset scales them, each row composing to the EAGLE-3 train config it
+    names; argument checks; the cached head found by its config."""
+    import argparse
+    import json
+
+    from benchmarks.eagle3_ablation import (
+        Head,
+        cached_report,
+        heads,
+        parse_layers,
+        parse_rung,
+        preset,
+        row_cells,
+        same_run,
+        train_config,
+    )
+
+    base = preset()
+    assert base[2] == (0, 2, 4) and base[1] * 5 == base[0] * 2  # the preset: 2 windows per 5 steps
+    rows = heads([1000, 4400], [(0, 2, 4), (0, 1, 2)], 1000, (2200, 880, (0, 2, 4)))
+    assert rows == [Head(1000, 400, (0, 2, 4)), Head(4400, 1760, (0, 2, 4)), Head(1000, 400, (0, 1, 2))]
+    assert rows[2].label == "s1000-L012"
+    cfg = train_config(rows[2].overrides())
+    assert (cfg["steps"], cfg["train_windows"], cfg["feature_layers"]) == (1000, 400, [0, 1, 2])
+    assert cfg["variant"] == "eagle3" and cfg["labels"] == "greedy"  # the rest is the preset's
+    assert parse_layers("2,3,4") == (2, 3, 4) and parse_rung("1:4") == (1, 4)
+    for bad in ("0,0,2", "a,b", "-1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_layers(bad)
+    for bad in ("2", "0:3", "x:y"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_rung(bad)
+    assert row_cells([3.5, None], [3.6, 3.0]) == ["3.500 (-2.8%)", "-"]
+    assert row_cells([3.5], [None]) == ["3.500"]
+    for name, config in (("a", cfg), ("b", {**cfg, "steps": 2200})):
+        (tmp_path / "eagle" / name).mkdir(parents=True)
+        (tmp_path / "eagle" / name / "report.json").write_text(json.dumps({"config": config, "x": name}))
+    assert cached_report(cfg, tmp_path)["entry"] == "a"
+    assert cached_report({**cfg, "steps": 7}, tmp_path) is None
+    assert not same_run(tmp_path / "nothing", rows[0].overrides())
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    recorded = ["method=eagle3", "threads=1", "hydra.run.dir=x", *rows[0].overrides()]
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in recorded))
+    assert same_run(run, ["method=eagle3", "threads=1", *rows[0].overrides()])
+    assert not same_run(run, ["method=eagle3", "threads=1", *rows[1].overrides()])
+    assert not same_run(run, ["method=eagle3", "threads=2", *rows[0].overrides()])
