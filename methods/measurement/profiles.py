@@ -592,8 +592,10 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
     rule = ExitRule(dp.exit_threshold, dp.adaptive, dp.target_acceptance)
     w = cfg.workload
     tokens, skip = (cfg.warmup + w.num_prompts) * w.max_new_tokens, cfg.warmup * w.max_new_tokens
-    if table.get("runs") and w.temperature == 0:  # the rule replayed on the calibration's trajectories
-        return replay_path([(c, a) for c, a in table["runs"]], rule, tree.depth, tokens, skip)
+    runs = table.get("runs") or []
+    if w.temperature == 0 and max((len(c) for confs, _ in runs for c in confs), default=0) >= tree.depth:
+        # the rule replayed on the calibration's trajectories and the drafter's own chains (deep enough)
+        return replay_path([(c, a) for c, a in runs], rule, tree.depth, tokens, skip)
     conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
     return threshold_path(conf, rule, tree.depth, tokens, skip)
 

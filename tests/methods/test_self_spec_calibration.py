@@ -11,7 +11,7 @@ import pytest
 from methods.drafters.draft_verify import DraftVerifyParams
 from methods.measurement.calibrate import _forwards_per_step, ensure_profile, missing_self_draft
 from methods.measurement.profiles import apply_profile, exit_prediction, to_measured_cost, tree_predictions
-from specsim.adaptive_exit import ExitRule, replay_path
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, replay_path, threshold_path
 from specsim.cost import CostModel
 from specsim.tree import Tree
 
@@ -74,6 +74,10 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     replayed = replay_path([(c, a) for c, a in runs], rule, 4, (cfg.warmup + w.num_prompts)
                            * w.max_new_tokens, cfg.warmup * w.max_new_tokens)
     assert run.thresholds == replayed.thresholds and run.tau == pytest.approx(replayed.tau)
+    deeper = exit_prediction(cfg, prof, Tree.chain(6))  # chains recorded 4 deep: the table prices 6
+    conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
+    assert deeper.tau == pytest.approx(threshold_path(conf, rule, 6, (cfg.warmup + w.num_prompts)
+                                                      * w.max_new_tokens, cfg.warmup * w.max_new_tokens).tau)
     here, preset = tree_predictions(cfg, prof, chain)
     assert here["predicted_tau"] == pytest.approx(run.tau) == pytest.approx(preset["predicted_tau"])
     assert 1 <= here["predicted_mean_draft_length"] <= 4
