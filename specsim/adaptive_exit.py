@@ -244,3 +244,58 @@ def threshold_path(table: ConfidenceTable, rule: ExitRule, gamma: int, tokens: f
         if rule.adaptive:
             th = min(1.0, max(0.0, th + drift(rule, law)))
     return RunPrediction(tuple(kept_th), tuple(kept_law))
+
+
+def _point_law(gamma: int, k: int, j: int, forwards: int) -> ExitLaw:
+    joint = np.zeros((gamma + 1, gamma + 1))
+    joint[k, j] = 1.0
+    return ExitLaw(joint, float(forwards))
+
+
+def replay_path(runs: Sequence[tuple[Sequence[Sequence[float]], Sequence[int]]], rule: ExitRule, gamma: int,
+                tokens: float, skip_tokens: float = 0.0) -> RunPrediction:
+    """The rule replayed on the calibration's own trajectories and the drafter's own chains (temperature 0)
+    instead of independent draws from the table.
+
+    ``runs``: per trajectory, per root t in order, (c_1..c_g) — the confidences of the chain the drafter
+    drafts from t without the exit (its depth-d forward reads its earlier drafts' KV) — and how many of its
+    leading drafts p's greedy tokens accept. At temperature 0 the loop walks the target's own trajectory: a
+    step rooted at t drafts depth d ≥ 2 while c_d ≥ γ_th, accepts min(k, leading run), and the next step is
+    rooted where it ended; the rule's state carries from step to step and trajectory to trajectory, the
+    trajectories taken in turn until ``tokens`` are generated. Why: the table reads depth d's confidence as
+    depth 1's at an independent position, where the chain's deeper drafts read the drafter's own KV and easy
+    text comes in runs (Draft & Verify code T0, 64 × 48 calibration: the table's rule settled at 0.96, the
+    loop's at 0.845, τ −2.9%). Steps the trajectory's end cuts (fewer roots left than γ) move the rule but
+    are left out, as a measured τ leaves them out (specsim.tau_error.steady_lengths); so are the steps of the
+    first ``skip_tokens``. Each kept step is a point law (:class:`ExitLaw`), so the run's figures are its
+    steps'. Chains recorded shorter than γ draft at most as deep as recorded."""
+    assert gamma >= 1, f"the longest draft {gamma} must be >= 1"
+    seqs = [([np.asarray(c, float) for c in confs], np.asarray(acc, int)) for confs, acc in runs]
+    assert seqs and all(len(c) == a.size for c, a in seqs), "each trajectory: one accepted run per root"
+    assert any(len(c) >= gamma for c, _ in seqs), f"no trajectory holds a full draft of {gamma}"
+    th, smoothed, done = rule.threshold, rule.target_acceptance, 0.0
+    kept_th: list[float] = []
+    kept_law: list[ExitLaw] = []
+    laws: dict[tuple[int, int, int], ExitLaw] = {}
+    i = 0
+    while done < tokens or not kept_law:
+        confs, acc = seqs[i % len(seqs)]
+        i += 1
+        t, n = 0, len(confs)
+        while t < n:
+            conf = confs[t]
+            g = max(1, min(gamma, n - t, conf.size))
+            k = 1
+            while k < g and conf[k] >= th:
+                k += 1
+            j = min(k, int(acc[t]))
+            forwards = k + 1 if k < g else k  # a forward below the threshold was paid for
+            if done >= skip_tokens and n - t >= gamma:
+                key = (k, j, forwards)
+                kept_th.append(th)
+                kept_law.append(laws.get(key) or laws.setdefault(key, _point_law(gamma, k, j, forwards)))
+            done += min(j + 1, n - t)
+            t += j + 1
+            if rule.adaptive:
+                th, smoothed = next_state(rule, th, smoothed, j / k)
+    return RunPrediction(tuple(kept_th), tuple(kept_law))

@@ -25,7 +25,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from specsim.acceptance import PositionalAcceptance, from_config
-from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, threshold_path
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, replay_path, threshold_path
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import tokens_per_forward
@@ -590,10 +590,14 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
 
     dp = DraftVerifyParams.from_method(cfg.method)
     rule = ExitRule(dp.exit_threshold, dp.adaptive, dp.target_acceptance)
-    conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
     w = cfg.workload
-    return threshold_path(conf, rule, tree.depth, (cfg.warmup + w.num_prompts) * w.max_new_tokens,
-                          cfg.warmup * w.max_new_tokens)
+    tokens, skip = (cfg.warmup + w.num_prompts) * w.max_new_tokens, cfg.warmup * w.max_new_tokens
+    runs = table.get("runs") or []
+    if w.temperature == 0 and max((len(c) for confs, _ in runs for c in confs), default=0) >= tree.depth:
+        # the rule replayed on the calibration's trajectories and the drafter's own chains (deep enough)
+        return replay_path([(c, a) for c, a in runs], rule, tree.depth, tokens, skip)
+    conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
+    return threshold_path(conf, rule, tree.depth, tokens, skip)
 
 
 def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel, n_tokens: int

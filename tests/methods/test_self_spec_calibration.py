@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from methods.drafters.draft_verify import DraftVerifyParams
 from methods.measurement.calibrate import _forwards_per_step, ensure_profile, missing_self_draft
 from methods.measurement.profiles import apply_profile, exit_prediction, to_measured_cost, tree_predictions
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, replay_path, threshold_path
 from specsim.cost import CostModel
 from specsim.tree import Tree
 
@@ -57,8 +59,25 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     longest = SimpleNamespace(extra={**prof.extra, "loop_verify_forward_tokens": 5,
                                      "loop_mean_draft_length": 1.2})
     assert "longest draft" in missing_self_draft(longest, cfg)  # profiles made before: measured again
+    # at T = 0 the rule is replayed on the calibration's trajectories (each position's (c, a) in order)
+    runs = table["runs"]  # per root the drafter's chain of up to 4 (cut at the trajectory's end)
+    assert [[len(c) for c in confs] for confs, _ in runs] == [[4, 4, 4, 3, 2, 1]] * 2
+    assert all(0 <= j <= len(c) for confs, acc in runs for c, j in zip(confs, acc))
+    bare = {k: v for k, v in table.items() if k != "runs"}
+    older = SimpleNamespace(extra={**prof.extra, "exit_confidence": bare})
+    assert "trajectories" in missing_self_draft(older, cfg)  # profiles made before: measured again
     chain = Tree.chain(4)
     run = exit_prediction(cfg, prof, chain)
+    w = cfg.workload
+    dp = DraftVerifyParams.from_method(cfg.method)
+    rule = ExitRule(dp.exit_threshold, dp.adaptive, dp.target_acceptance)
+    replayed = replay_path([(c, a) for c, a in runs], rule, 4, (cfg.warmup + w.num_prompts)
+                           * w.max_new_tokens, cfg.warmup * w.max_new_tokens)
+    assert run.thresholds == replayed.thresholds and run.tau == pytest.approx(replayed.tau)
+    deeper = exit_prediction(cfg, prof, Tree.chain(6))  # chains recorded 4 deep: the table prices 6
+    conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
+    assert deeper.tau == pytest.approx(threshold_path(conf, rule, 6, (cfg.warmup + w.num_prompts)
+                                                      * w.max_new_tokens, cfg.warmup * w.max_new_tokens).tau)
     here, preset = tree_predictions(cfg, prof, chain)
     assert here["predicted_tau"] == pytest.approx(run.tau) == pytest.approx(preset["predicted_tau"])
     assert 1 <= here["predicted_mean_draft_length"] <= 4

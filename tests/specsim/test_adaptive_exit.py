@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsim.adaptive_exit import ConfidenceTable, ExitRule, exit_law, next_state, threshold_path
+from specsim.adaptive_exit import ConfidenceTable, ExitRule, exit_law, next_state, replay_path, threshold_path
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.tree import Tree
 
@@ -153,3 +153,67 @@ def test_weighted_table_is_the_law_of_a_sampled_draft():
     assert abs(exact.alpha - np.minimum(p, q).sum(1).mean()) < 1e-9  # α = E Σ_x min(p, q)
     for s in (0.3, 0.5):
         np.testing.assert_allclose(exact.above(s), mc.above(s), atol=0.01)
+
+
+def _chains(c: list[float], a: list[bool], depth: int = 4) -> tuple[list[list[float]], list[int]]:
+    """Per root t the chain a positional drafter drafts: confidences c[t : t + depth], its accepted run the
+    leading a's."""
+    confs = [c[t : t + depth] for t in range(len(c))]
+    runs = [next((i for i, x in enumerate(a[t : t + depth]) if not x), len(a[t : t + depth]))
+            for t in range(len(a))]
+    return confs, runs
+
+
+def _blocks() -> tuple[list[list[float]], list[int]]:
+    """A trajectory of 100 roots in runs: 10 easy (c 0.9, accepted), 10 hard (c 0.1, rejected), 5 times."""
+    easy = [True] * 10 + [False] * 10
+    return _chains([0.9 if e else 0.1 for e in easy] * 5, easy * 5)
+
+
+def test_replay_walks_the_trajectory_where_easy_text_comes_in_runs():
+    """Fixed threshold 0.5, γ = 4, by hand: each block of 20 is 2 steps of 5 tokens (4 drafts accepted) and
+    10 of 1; the trajectory's last 3 steps (fewer than γ positions left) are cut and left out: 97 tokens in
+    57 steps. The table of the same positions takes depths as independent draws (s = β = α = 1/2): τ 1.9375,
+    14% off the loop that walks them."""
+    c, a = _blocks()
+    rule = ExitRule(threshold=0.5, adaptive=False)
+    run = replay_path([(c, a)], rule, 4, 97)
+    assert len(run.laws) == 57 and run.tau == pytest.approx(97 / 57)
+    table = ConfidenceTable.from_samples([x[0] for x in c], [r > 0 for r in a], bins=10)
+    assert threshold_path(table, rule, 4, 97).tau == pytest.approx(1.9375)
+    # drafts: 2 of 4 per easy run; a hard run 9 of 1 and its last 1 of 4 (the easy run ahead is confident);
+    # the last hard run's 7 kept steps 1 each
+    assert run.draft_length == pytest.approx((4 * (8 + 9 + 4) + 8 + 7) / 57)
+
+
+def test_replayed_rule_is_the_drafters_rule_step_by_step():
+    """Adaptive: the replay's thresholds are the drafter's stop test and next_state on the trajectory, the
+    rule's state carried across trajectories and the warm-up's steps left out."""
+    easy = ([True] * 10 + [False] * 10) * 5
+    pc, pa = [0.9 if e else 0.1 for e in easy], easy
+    rule = ExitRule(threshold=0.3, target_acceptance=0.8)
+    runs = [_chains(pc, pa), _chains(pc[:50], pa[:50])]
+    whole = replay_path(runs, rule, 4, 300)
+    th, smoothed, seen = rule.threshold, rule.target_acceptance, []
+    for cc, aa in [(pc, pa), (pc[:50], pa[:50])] * 2:
+        t = 0
+        while t < len(cc):
+            g = min(4, len(cc) - t)
+            k, j, _ = _draft(np.asarray(cc[t:t + g]), np.asarray(aa[t:t + g]), th)
+            if g == 4:
+                seen.append((th, j + 1))
+            t += j + 1
+            th, smoothed = next_state(rule, th, smoothed, j / k)
+    assert whole.thresholds == pytest.approx([x for x, _ in seen][:len(whole.thresholds)])
+    assert whole.tau == pytest.approx(np.mean([n for _, n in seen][:len(whole.laws)]))
+    later = replay_path(runs, rule, 4, 300, skip_tokens=100)
+    assert later.thresholds == whole.thresholds[-len(later.thresholds):]
+
+
+def test_replay_reads_the_chains_own_deeper_confidences():
+    """A drafter unsure at depth 1 but sure deeper (its depth-2 forward reads its own draft's KV): the chain's
+    c_2 decides the exit, not depth 1's confidence at the next position the table would read."""
+    confs, acc = [[0.1, 0.9, 0.2, 0.2]] * 40, [4] * 40  # every chain accepted to its end
+    run = replay_path([(confs, acc)], ExitRule(threshold=0.5, adaptive=False), 4, 30)
+    assert run.draft_length == pytest.approx(2) and run.tau == pytest.approx(3)
+    assert run.forwards == pytest.approx(3)  # the third forward fell below the threshold
