@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from specsim.tau_error import (  # noqa: F401  (re-exported: the report's readers use them from here)
+from specsim.tau_error import (
     lengths_standard_error,
     steady_lengths,
     tau_prompt_standard_error,

@@ -595,7 +595,7 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
     runs = table.get("runs") or []
     if w.temperature == 0 and max((len(c) for confs, _ in runs for c in confs), default=0) >= tree.depth:
         # the rule replayed on the calibration's trajectories and the drafter's own chains (deep enough)
-        return replay_path([(c, a) for c, a in runs], rule, tree.depth, tokens, skip)
+        return replay_path(runs, rule, tree.depth, tokens, skip)
     conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
     return threshold_path(conf, rule, tree.depth, tokens, skip)
 
@@ -822,13 +822,12 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     here = _summary(simulate(here_cfg, profile=measured, tree=tree, draft_levels=draft_levels(cfg, profile)))
     preset_cfg = measured_acceptance(cfg, profile)
     preset = _summary(simulate(preset_cfg, tree=tree))
+    n = cfg.workload.max_new_tokens
     exits = exit_prediction(cfg, profile, tree)
     if exits is not None:  # the adaptive exit drafts fewer than the chain: its law replaces the chain's τ
-        n = cfg.workload.max_new_tokens
         here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured), n)
         preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg), n)
     if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
-        n = cfg.workload.max_new_tokens
         draft = member_draft_s(cfg, profile, multi[0])
         if draft is not None:  # each draft model's levels on its own member tree
             here = _restep(here, draft, here["t_verify_s"])
@@ -838,21 +837,19 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
             preset = _sized_summary(preset, {merged: 1.0}, CostModel.from_config(preset_cfg).verify_time)
         here, preset = _law_summary(here, multi[2], n), _law_summary(preset, multi[2], n)
     if shapes:  # the trees a dynamic drafter kept, each under the measured (depth, rank) model
-        n = cfg.workload.max_new_tokens
         draft = dynamic_draft_s(profile, shapes)
         if draft is not None:  # its draft as timed against the loop's chain, not from the levels alone
             here = _with_draft(here, draft)
         here = _law_summary(here, recorded_law(shapes, from_config(here_cfg.method.acceptance)), n)
         preset = _law_summary(preset, recorded_law(shapes, from_config(preset_cfg.method.acceptance)), n)
-    replayed = replayed_law(cfg, profile, tree) if exits is None and multi is None and not shapes else None
+    one_law = exits is None and multi is None and not shapes  # the drafter's laws on this tree stand
+    replayed = replayed_law(cfg, profile, tree) if one_law else None
     if replayed is not None:  # temperature 0: the loop replayed on the calibration's trajectories
-        n = cfg.workload.max_new_tokens
         here, preset = _law_summary(here, replayed, n), _law_summary(preset, replayed, n)
-    served = served_law_for(cfg, profile, tree) if exits is None and multi is None and not shapes else None
+    served = served_law_for(cfg, profile, tree) if one_law else None
     if served is not None:  # a drafter that learns between requests: the run's requests' mixture
-        n = cfg.workload.max_new_tokens
         here, preset = _law_summary(here, served, n), _law_summary(preset, served, n)
-    sizes = verify_size_law(profile, tree) if exits is None and multi is None and not shapes else None
+    sizes = verify_size_law(profile, tree) if one_law else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
         def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)
             at = loop_verify_s(profile, k, chain=tree.width <= 1)
