@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specsim.replay import child_by_rank, loop_steps
 from specsim.tree import Tree
 
 
@@ -104,10 +105,6 @@ def split_union(tree: Tree, k: int) -> Tree:
     return Tree.from_paths([(p[0] // k, *p[1:]) for p in tree.choice_paths if p[0] % k == 0])
 
 
-def _child_by_rank(tree: Tree) -> list[dict[int, int]]:
-    return [{int(tree.ranks[c]): c for c in tree.children[v]} for v in range(tree.size)]
-
-
 def _roots(n: int, depth: int) -> range:
     """Root positions whose whole walk (``depth`` drafts) stays inside a trajectory of n positions."""
     last = n - depth
@@ -174,15 +171,12 @@ def accepted_law(replay: Replay, tree: Tree, reps: int = 16, seed: int = 0) -> n
         counts[1] = 1.0
         return counts
     if replay.greedy:  # the loop itself: each step rooted where the last one ended (specsim.replay.loop_law)
-        kids, every = _child_by_rank(tree), np.zeros_like(counts)
+        kids, every = child_by_rank(tree), np.zeros_like(counts)
         for ranks in replay.ranks:
-            n, t = ranks.shape[0], 0
-            while t < n:
-                a = min(_greedy_walk(ranks, t, tree, kids), n - t)
+            for a, counted in loop_steps(ranks.shape[0], tree.depth,
+                                         lambda t, ranks=ranks: _greedy_walk(ranks, t, tree, kids)):
                 every[1 + a] += 1
-                if n - t >= tree.depth:  # a step the trajectory's end would cut is not counted
-                    counts[1 + a] += 1
-                t += a + 1
+                counts[1 + a] += counted  # a step the trajectory's end would cut is not counted
         counts = counts if counts.sum() > 0 else every  # trajectories shorter than the tree: every step
     else:
         rng = np.random.default_rng(seed)

@@ -23,7 +23,7 @@ deep) are left out, as a measured τ leaves them out (specsim.tau_error.steady_l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +73,22 @@ def accepted_drafts(runs: Sequence[Sequence[int]], t: int, tree: Tree, kids: lis
     return d - 1
 
 
+def child_by_rank(tree: Tree) -> list[dict[int, int]]:
+    """Per node, its children by the rank of the token each drafts (the walks' lookup)."""
+    return [{int(tree.ranks[c]): c for c in tree.children[v]} for v in range(tree.size)]
+
+
+def loop_steps(n: int, depth: int, walk: Callable[[int], int]) -> Iterator[tuple[int, bool]]:
+    """The greedy loop over one trajectory of ``n`` positions: each step rooted where the last one ended,
+    ``walk(t)`` the drafts a step rooted at t accepts; per step (its accepted drafts, whether it counts: a
+    step with fewer positions left than ``depth`` would have its draft cut)."""
+    t = 0
+    while t < n:
+        a = min(walk(t), n - t)
+        yield a, n - t >= depth
+        t += a + 1
+
+
 def loop_law(runs: RankRuns, tree: Tree) -> np.ndarray:
     """(tree.depth + 2,) pmf of τ (accepted drafts + the bonus token; pmf[0] = 0) over the steps of the greedy
     loop replayed on every trajectory from its first position, each step rooted where the last one ended;
@@ -81,14 +97,11 @@ def loop_law(runs: RankRuns, tree: Tree) -> np.ndarray:
     if tree.size == 1:
         law[1] = 1.0
         return law
-    kids = [{int(tree.ranks[c]): c for c in tree.children[v]} for v in range(tree.size)]
+    kids = child_by_rank(tree)
     for one in runs.prompts:
-        n, t = len(one[0]), 0
-        while t < n:
-            a = min(accepted_drafts(one, t, tree, kids), n - t)
-            if n - t >= tree.depth:
-                law[1 + a] += 1
-            t += a + 1
+        for a, counted in loop_steps(len(one[0]), tree.depth,
+                                     lambda t, one=one: accepted_drafts(one, t, tree, kids)):
+            law[1 + a] += counted
     assert law.sum() > 0, "no step of the replay had the tree's depth left: trajectories too short"
     return law / law.sum()
 
