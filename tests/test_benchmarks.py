@@ -305,3 +305,23 @@ def test_eagle3_ablation_rows_and_arguments(tmp_path):
     assert same_run(run, ["method=eagle3", "threads=1", *rows[0].overrides()])
     assert not same_run(run, ["method=eagle3", "threads=1", *rows[1].overrides()])
     assert not same_run(run, ["method=eagle3", "threads=2", *rows[0].overrides()])
+
+
+def test_gpu_forward_reads_real_shapes_through_the_presets_defaults_and_times_a_forward():
+    """benchmarks/gpu_forward.py on the CPU (its smoke path): a preset's shape includes what its defaults
+    list inherits (Llama-2-13B's vocabulary comes from the 7B preset), and a forward over a cache reports
+    per n the wall and host time and the kernels (here: top-level aten ops), the cache put back each time."""
+    from benchmarks import gpu_forward
+
+    assert gpu_forward.shape_of("llama2_13b")["vocab_size"] == 32000
+    assert gpu_forward.shape_of("llama2_13b")["n_layers"] == 40
+    with pytest.raises(SystemExit, match="no conf/model/no_such_model.yaml"):
+        gpu_forward.shape_of("no_such_model")
+    out = gpu_forward.forward("random_tiny", [1, 3], context=16, reps=2, attention="eager")
+    assert out["device"] == "cpu" and [r["n"] for r in out["rows"]] == [1, 3]
+    for r in out["rows"]:
+        assert r["kernels"] > 0 and r["wall_ms"] > 0 and r["host_ms"] > 0
+        assert r["host_us_per_kernel"] == pytest.approx(1e3 * r["host_ms"] / r["kernels"])
+    # the same forward again (a fresh cache of 16 tokens) counts the same ops: the cache was cropped back
+    again = gpu_forward.forward("random_tiny", [1, 3], context=16, reps=2, attention="eager")
+    assert [r["kernels"] for r in again["rows"]] == [r["kernels"] for r in out["rows"]]

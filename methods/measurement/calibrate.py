@@ -126,7 +126,7 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
         one_hot = star.q is None and rule.verifier == Verifier.sequoia  # a proposal that came without q
         verifier = Verifier.deterministic if one_hot else rule.verifier
         tree = Tree.from_parents([-1] + [0] * k)  # ranks 0..k-1 in order
-        tokens = torch.cat([roots[t : t + 1], star.children]).to(p.device)
+        tokens = torch.cat([roots[t : t + 1].to(p.device), star.children.to(p.device)])  # roots: the host's
         q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
         # the children's rows of p only feed the bonus token after an accepted leaf: not needed here
         res = verify(verifier, Draft(tree, tokens, q), p[t].expand(k + 1, -1), generator,

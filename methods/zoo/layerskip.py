@@ -234,7 +234,8 @@ def exit_report(plain: PreTrainedModel, variant: PreTrainedModel, tokenizer, n_t
 
 def _exits(model: PreTrainedModel, windows: torch.Tensor) -> dict:
     nll, agree, count = None, None, 0
-    for chunk in windows.split(8):
+    device = next(model.parameters()).device  # the held-out windows are built on the host
+    for chunk in windows.to(device).split(8):
         outs = exit_logits(model, chunk)
         y = chunk[:, 1:, None]
         lps = [o[:, :-1].float().log_softmax(-1) for o in outs]

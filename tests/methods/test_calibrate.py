@@ -1282,3 +1282,35 @@ def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it
     law = served_law(extra["loop_accept_hist_by_prompt"], [0, 1, 2], 1, cfg.warmup, cfg.workload.num_prompts)
     tau = float(np.dot(np.arange(law.size), law))
     assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
+
+
+CUDA_PRESETS = ("vanilla", "prompt_lookup", "staged", "lookahead", "layerskip")  # no zoo-only preset
+
+
+def _calibrate_on(device: str, preset: str, run_config, tiny_models, *extra: str):
+    dev = torch.device(device)
+    m = tiny_models
+    target, draft = copy.deepcopy(m.target).to(dev), copy.deepcopy(m.draft).to(dev)
+    models = Models(target, draft, m.tokenizer, dev, m.dtype)
+    return measure_profile(run_config(*SMALL, f"method={preset}", *extra), models, show_progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", CUDA_PRESETS)
+def test_calibration_runs_on_cuda_and_agrees_with_the_cpu(run_config, tiny_models, cache, preset):
+    """The whole calibration with the models on a CUDA device (the prompts, trajectories and held-out windows
+    are built on the host): it ran into cross-device ops twice (star_ranks' cat, LayerSkip's exit report).
+    A drafter with a law (vanilla: one star per position of the trajectory) sees the same positions as on the
+    CPU and, at T = 0, the argmax's acceptance up to float near-ties of the tiny random models; proposal
+    drafters' positions follow the trajectories' n-grams, which near-ties may move."""
+    gpu = _calibrate_on("cuda", preset, run_config, tiny_models)
+    _valid_vector(gpu.acceptance_vector, len(gpu.acceptance_vector) - 2)
+    assert gpu.n_positions > 0
+    if preset == "vanilla":
+        cpu = _calibrate_on("cpu", preset, run_config, tiny_models)
+        assert gpu.n_positions == cpu.n_positions
+        assert np.allclose(gpu.acceptance_vector, cpu.acceptance_vector, atol=0.1)
+        sampled = _calibrate_on("cuda", preset, run_config, tiny_models, "workload.temperature=1.0",
+                                "method.verifier=sequoia")  # sampled stars, the generator on the host
+        _valid_vector(sampled.acceptance_vector, len(sampled.acceptance_vector) - 2)
