@@ -39,7 +39,7 @@ from methods.core.timing import (
     star_inputs,
     verify_times,
 )
-from methods.core.verify import verifier_params, verify
+from methods.core.verify import NODE_RULES, rank_law, verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import NEEDS_DRAFT_MODEL, backbone_of, build_drafter, drafter_class
@@ -110,14 +110,25 @@ def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: 
     return [Star(c[ok], qt) for c, ok, qt in zip(cands, drawn, q)]
 
 
+Rank = int | None | tuple[float, ...]  # an accepted rank (None: none), or the law of the ranks (star_ranks)
+
+
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
-               generator: torch.Generator, params: Mapping | None = None) -> list[int | None]:
+               generator: torch.Generator, params: Mapping | None = None) -> list[Rank]:
     """Verify one star tree per position with the configured verifier (methods.core.verify): p (T, V)
     processed target law after each root, roots (T,) root tokens; ``params``: method.params, whose verifier
-    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if
-    none."""
+    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if none —
+    where the verifier decides without coin flips (greedy, typical). Where it flips them (T > 0: the
+    rejection rules of Sequoia, SpecInfer and one-hot drafts), the exact law of the rank instead
+    (``methods.core.verify.rank_law``: P(rank i) per child, none = 1 − the sum), the flips integrated out; and
+    where the children were drawn from q, rank 0's probability is further averaged over the first draw:
+    Σ_x min(p(x), q(x)), the acceptance of x ~ q (Leviathan et al. 2023, §3.1). The later ranks stay
+    conditioned on the children drawn (their average over the draws is not tractable here: the residual
+    after a rejection depends on which token was rejected). Each entry's expectation is the flipped
+    indicator's, so the vector has the flipped estimator's mean and a smaller variance; s8-tau2 read
+    vanilla grounded's flipped depth-1 rate one binomial s.e. above the exact one."""
     kwargs = verifier_params(rule.verifier, params or {})
-    out: list[int | None] = []
+    out: list[Rank] = []
     for t, star in enumerate(stars):
         k = int(star.children.numel())
         if k == 0:
@@ -125,6 +136,9 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
             continue
         one_hot = star.q is None and rule.verifier == Verifier.sequoia  # a proposal that came without q
         verifier = Verifier.deterministic if one_hot else rule.verifier
+        if verifier in NODE_RULES:
+            out.append(_exact_ranks(verifier, p[t], star))
+            continue
         tree = Tree.from_parents([-1] + [0] * k)  # ranks 0..k-1 in order
         tokens = torch.cat([roots[t : t + 1], star.children]).to(p.device)
         q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
@@ -135,13 +149,38 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
     return out
 
 
-def rank_vector(ranks: Sequence[int | None], width: int) -> list[float]:
-    """Sequoia's [0, p_1, …, p_W, p_none] from accepted ranks (0-based; None = none accepted)."""
+def _exact_ranks(verifier: Verifier, p: torch.Tensor, star: Star) -> tuple[float, ...]:
+    """star_ranks' law of one star's accepted rank (p: (V,) the target law at its root)."""
+    q = None if star.q is None else star.q.to(p.dtype)
+    law = rank_law(verifier, p, q, star.children.to(p.device))
+    if q is not None and verifier in (Verifier.sequoia, Verifier.specinfer):  # child 0 ~ q, integrated out
+        law[0] = torch.minimum(p, q).sum()
+    return tuple(law.tolist())
+
+
+def rank_weights(ranks: Sequence[Rank], width: int) -> np.ndarray:
+    """Expected counts [rank 0, …, rank W−1, none] of star_ranks' entries: one per accepted rank, a law's
+    probabilities, none = positions − the accepted total (exact in expectation; clipped at 0)."""
     counts = np.zeros(width + 1)
     for r in ranks:
-        counts[width if r is None else r] += 1
+        if isinstance(r, tuple):
+            counts[: len(r)] += r
+        elif r is not None:
+            counts[r] += 1
+    counts[width] = max(0.0, len(ranks) - counts[:width].sum())
+    return counts
+
+
+def rank_vector(ranks: Sequence[Rank], width: int) -> list[float]:
+    """Sequoia's [0, p_1, …, p_W, p_none] from accepted ranks (0-based; None: none accepted) or laws."""
+    counts = rank_weights(ranks, width)
     assert counts.sum() > 0, "no position was verified"
     return [0.0, *(counts / counts.sum()).tolist()]
+
+
+def accepted_probabilities(ranks: Sequence[Rank]) -> np.ndarray:
+    """Each position's probability that its star accepted a child (1/0 for a flipped or a greedy rank)."""
+    return np.array([sum(r) if isinstance(r, tuple) else float(r is not None) for r in ranks], dtype=float)
 
 
 # ---- one calibration ------------------------------------------------------------------------------------
@@ -403,7 +442,7 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
-    ranks: list[list[int | None]] = [[] for _ in range(depths)]
+    ranks: list[list[Rank]] = [[] for _ in range(depths)]
     runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # used at T = 0 only
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
@@ -416,7 +455,8 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
             got = star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
                              run.generator, run.cfg.method.params) if group else []
             ranks[d - 1] += got
-            mine.append([-1 if r is None else int(r) for r in got])  # a law's: root t's at [t]
+            if runs is not None:  # greedy: every entry is a rank (or None)
+                mine.append([-1 if r is None else int(r) for r in got])  # a law's: root t's at [t]
         if runs is not None:
             runs.append(mine)
         run.bar.update()
@@ -979,7 +1019,7 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
 
 @dataclass(frozen=True)
 class _Measured:
-    ranks: list[list[int | None]]  # accepted rank of each star tree (None: none accepted), per depth
+    ranks: list[list[Rank]]  # accepted rank (None: none) or its law (star_ranks) of each star, per depth
     stats: AcceptStats  # the drafter's chain/tree in the loop
     table: CostTable  # t(1) and the ratios of the other costs to it, from interleaved rounds
     attempts: list[dict[str, float]]  # dispersion of every timing attempt (the last one is ``table``'s)
@@ -1047,9 +1087,10 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
     """The calibration's own figures, kept in the profile for inspection."""
     width, t = cfg.calibration.width, m.table
-    counts = np.bincount([width if r is None else r for r in m.ranks[0]], minlength=width + 1)  # none last
+    counts = rank_weights(m.ranks[0], width)  # none last; expected counts where the ranks' laws are exact
     return {
-        "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
+        "rank_counts": [int(c) if float(c).is_integer() else float(c) for c in counts],
+        "star_rule": star_rule(cfg).name, "star_estimator": STAR_ESTIMATOR, **_exact_extra(m.ranks[0]),
         "temperature": cfg.workload.temperature,
         "split_sizes": split_sizes(cfg),
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
@@ -1096,6 +1137,21 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the greedy loop on the trajectories (specsim.replay; profiles.replayed_law)
         **({"rank_runs": m.rank_runs} if m.rank_runs else {}),
     }
+
+
+def _exact_extra(ranks: Sequence[Rank]) -> dict[str, Any]:
+    """Where the depth-1 stars' ranks are exact laws (star_ranks, T > 0): how much of a flipped estimator's
+    variance they keep, per position — Var(s_t) / (s̄ (1 − s̄)), s_t the position's probability that a child
+    is accepted (a flipped indicator's variance is s̄ (1 − s̄)). The prediction's own standard error scales by
+    its square root (analysis.validation_terms.prediction_standard_error). Nothing where every rank was read
+    without flips (greedy, typical)."""
+    if not any(isinstance(r, tuple) for r in ranks):
+        return {}
+    s = accepted_probabilities(ranks)
+    mean = float(s.mean())
+    flipped = mean * (1 - mean)
+    ratio = float(min(1.0, s.var(ddof=1) / flipped)) if flipped > 0 and s.size > 1 else 1.0
+    return {"star_exact": {"positions": int(s.size), "accepted_rate": mean, "variance_ratio": ratio}}
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
@@ -1269,6 +1325,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "the loop's verification not timed on a wide tree (an older calibration)"
     if records_rank_runs(cfg) and not profile.extra.get("rank_runs"):
         return "no accepted rank per root to replay the greedy loop on (an older calibration)"
+    if flips_stars(cfg) and profile.extra.get("star_estimator") != STAR_ESTIMATOR:
+        return "star acceptance read from the verifier's coin flips (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 
@@ -1288,6 +1346,16 @@ def smaller_split(profile: Profile, cfg: RunConfig) -> str:
     24 x 32 positions would otherwise serve a request for 48 x 32; a larger one serves a smaller request."""
     had = profile.extra.get("split_sizes") or UNRECORDED_SPLIT
     return ", ".join(f"{k} {had.get(k, 0)} < {v}" for k, v in split_sizes(cfg).items() if had.get(k, 0) < v)
+
+
+STAR_ESTIMATOR = "exact"  # star_ranks' laws where the verifier flips coins (a profile mark)
+
+
+def flips_stars(cfg: RunConfig) -> bool:
+    """Whether a calibration of ``cfg`` verifies star trees with a verifier that flips coins (T > 0, Sequoia's
+    or the one-hot rule: star_ranks gives their exact laws); loop drafters verify no stars."""
+    return (cfg.workload.temperature > 0 and cfg.method.drafter not in LOOP_DRAFTERS
+            and star_rule(cfg).verifier in NODE_RULES)
 
 
 def records_rank_runs(cfg: RunConfig) -> bool:
