@@ -1360,3 +1360,18 @@ def test_a_sampled_profile_records_the_exact_estimator_and_an_older_one_is_measu
     no_mark = dataclasses.replace(greedy, extra={k: v for k, v in greedy.extra.items()
                                                  if k != "star_estimator"})
     assert remeasure_reason(no_mark, run_config(*SMALL, "method=vanilla")) == ""
+
+
+def test_the_prediction_carries_the_exact_stars_variance_share_only_where_tau_comes_from_them(run_config):
+    """tree_predictions hands the star_exact variance share on (predicted_tau_star_variance_ratio) where τ is
+    the star vectors' (a sampled chain), not where the greedy loop is replayed instead (T = 0)."""
+    from methods.measurement.profiles import tree_predictions
+
+    prof = _profile()
+    prof.extra.update(star_exact={"positions": 100, "accepted_rate": 0.6, "variance_ratio": 0.3})
+    sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", "tree=chain")
+    here, preset = tree_predictions(sampled, prof, Tree.chain(4))
+    assert here["predicted_tau_star_variance_ratio"] == preset["predicted_tau_star_variance_ratio"] == 0.3
+    greedy = run_config("method=vanilla", "tree=chain")
+    replayed = dataclasses.replace(prof, extra={**prof.extra, "rank_runs": [[[0, 0, -1, 0, 0, 0]]]})
+    assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, replayed, Tree.chain(4))[0]
