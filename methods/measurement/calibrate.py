@@ -178,9 +178,11 @@ def rank_vector(ranks: Sequence[Rank], width: int) -> list[float]:
     return [0.0, *(counts / counts.sum()).tolist()]
 
 
-def accepted_probabilities(ranks: Sequence[Rank]) -> np.ndarray:
-    """Each position's probability that its star accepted a child (1/0 for a flipped or a greedy rank)."""
-    return np.array([sum(r) if isinstance(r, tuple) else float(r is not None) for r in ranks], dtype=float)
+def first_rank_probabilities(ranks: Sequence[Rank]) -> np.ndarray:
+    """Each position's probability that its star accepted the rank-0 child (1/0 for a flipped or greedy
+    rank): p_1, the rate a chain is priced on at every depth and a tree's heaviest entry."""
+    return np.array([(r[0] if r else 0.0) if isinstance(r, tuple) else float(r == 0) for r in ranks],
+                    dtype=float)
 
 
 # ---- one calibration ------------------------------------------------------------------------------------
@@ -1141,17 +1143,18 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
 
 def _exact_extra(ranks: Sequence[Rank]) -> dict[str, Any]:
     """Where the depth-1 stars' ranks are exact laws (star_ranks, T > 0): how much of a flipped estimator's
-    variance they keep, per position — Var(s_t) / (s̄ (1 − s̄)), s_t the position's probability that a child
-    is accepted (a flipped indicator's variance is s̄ (1 − s̄)). The prediction's own standard error scales by
-    its square root (analysis.validation_terms.prediction_standard_error). Nothing where every rank was read
-    without flips (greedy, typical)."""
+    variance they keep, per position, for p_1 (the rank-0 rate: a chain's at every depth, a tree's heaviest
+    entry) — Var(s_t) / (p̄_1 (1 − p̄_1)), s_t the position's rank-0 probability (a flipped indicator's
+    variance is p̄_1 (1 − p̄_1)). The prediction's own standard error scales by its square root
+    (analysis.validation_terms.prediction_standard_error). Nothing where every rank was read without flips
+    (greedy, typical)."""
     if not any(isinstance(r, tuple) for r in ranks):
         return {}
-    s = accepted_probabilities(ranks)
+    s = first_rank_probabilities(ranks)
     mean = float(s.mean())
     flipped = mean * (1 - mean)
     ratio = float(min(1.0, s.var(ddof=1) / flipped)) if flipped > 0 and s.size > 1 else 1.0
-    return {"star_exact": {"positions": int(s.size), "accepted_rate": mean, "variance_ratio": ratio}}
+    return {"star_exact": {"positions": int(s.size), "rank0_rate": mean, "variance_ratio": ratio}}
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:

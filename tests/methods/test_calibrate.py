@@ -1368,10 +1368,21 @@ def test_the_prediction_carries_the_exact_stars_variance_share_only_where_tau_co
     from methods.measurement.profiles import tree_predictions
 
     prof = _profile()
-    prof.extra.update(star_exact={"positions": 100, "accepted_rate": 0.6, "variance_ratio": 0.3})
+    prof.extra.update(star_exact={"positions": 100, "rank0_rate": 0.6, "variance_ratio": 0.3})
     sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", "tree=chain")
     here, preset = tree_predictions(sampled, prof, Tree.chain(4))
     assert here["predicted_tau_star_variance_ratio"] == preset["predicted_tau_star_variance_ratio"] == 0.3
     greedy = run_config("method=vanilla", "tree=chain")
     replayed = dataclasses.replace(prof, extra={**prof.extra, "rank_runs": [[[0, 0, -1, 0, 0, 0]]]})
     assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, replayed, Tree.chain(4))[0]
+
+
+def test_the_exact_estimators_variance_share_is_that_of_the_rank_zero_rate():
+    """p_1 at .2 on half the positions and .8 on the others: a flipped indicator's variance is .5 · .5, the
+    exact law's the positions' spread (.09 · n/(n−1)): a share of .36; greedy ranks record nothing."""
+    from methods.measurement.calibrate import _exact_extra
+
+    got = _exact_extra([(0.2, 0.5), (0.8, 0.1)] * 50)["star_exact"]
+    assert got["rank0_rate"] == pytest.approx(0.5) and got["positions"] == 100
+    assert got["variance_ratio"] == pytest.approx(0.09 * 100 / 99 / 0.25)
+    assert _exact_extra([0, None, 1, 0]) == {}
