@@ -445,7 +445,7 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
     ranks: list[list[Rank]] = [[] for _ in range(depths)]
-    runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # used at T = 0 only
+    runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # where the walk is exact
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
@@ -457,12 +457,26 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
             got = star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
                              run.generator, run.cfg.method.params) if group else []
             ranks[d - 1] += got
-            if runs is not None:  # greedy: every entry is a rank (or None)
-                mine.append([-1 if r is None else int(r) for r in got])  # a law's: root t's at [t]
+            if runs is not None:  # a law's: root t's at [t]
+                mine.append([-1 if r is None else int(r) for r in got] if run.sampling.greedy
+                            else trajectory_ranks(group, seq[parent + 1]))
         if runs is not None:
             runs.append(mine)
         run.bar.update()
     return ranks, runs
+
+
+def trajectory_ranks(stars: Sequence[Star], tokens: torch.Tensor) -> list[int]:
+    """Per star, the rank of the trajectory's next token (``tokens``: one per star) among its children, −1
+    if absent: at T > 0 the child a one-hot verifier accepts when the loop emits the trajectory's token.
+    Recursive rejection of one-hot drafts accepts child x_j with probability p(x_j) and otherwise draws
+    from p off the children, so the token it emits is a draw from p and the accepted child is the one equal
+    to it: the loop is the walk along a trajectory sampled from p (specsim.replay), exactly."""
+    out = []
+    for star, tok in zip(stars, tokens.tolist()):
+        hit = (star.children == tok).nonzero()
+        out.append(int(hit[0, 0]) if hit.numel() else -1)
+    return out
 
 
 def _spec_opts(run: _Run, new_tokens: int | None = None) -> DecodeOptions:
@@ -1034,7 +1048,7 @@ class _Measured:
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
     wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
-    rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (greedy law stars)
+    rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (walkable stars)
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
 
 
@@ -1363,10 +1377,12 @@ def flips_stars(cfg: RunConfig) -> bool:
 
 def records_rank_runs(cfg: RunConfig) -> bool:
     """Whether a calibration of ``cfg`` records each root's accepted rank per depth (_star_ranks' second
-    part): a drafter with a law here (not a loop drafter) at temperature 0."""
-    drafter = cfg.method.drafter
-    return (drafter in LAWS and drafter not in LOOP_DRAFTERS and not star_rule(cfg).sample
-            and cfg.workload.temperature == 0)
+    part): a drafter with a law here (not a loop drafter) whose stars are its top-W verified by a rule that
+    makes the loop a walk along the trajectory — greedy at temperature 0, or one-hot drafts at T > 0
+    (trajectory_ranks). Not Sequoia's sampled stars: their children are draws, not the drafter's own."""
+    drafter, rule = cfg.method.drafter, star_rule(cfg)
+    return (drafter in LAWS and drafter not in LOOP_DRAFTERS and not rule.sample
+            and rule.verifier in (Verifier.greedy, Verifier.deterministic))
 
 
 def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:

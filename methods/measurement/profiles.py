@@ -708,13 +708,15 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
 
 
 def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
-    """The law of τ of ``tree`` from the greedy loop replayed on the calibration's trajectories
-    (specsim.replay) at temperature 0, where the profile recorded each root's accepted rank per depth
-    (``rank_runs``); None otherwise (the measured vectors' law stands). The tree's children must be the
-    drafter's top-k under its law at the accepted prefix, as the greedy stars were: every static or Sequoia
-    tree of a law drafter."""
+    """The law of τ of ``tree`` from the loop replayed on the calibration's trajectories (specsim.replay),
+    where the profile recorded each root's accepted rank per depth (``rank_runs``) and the run's verifier
+    makes the loop that walk: greedy at temperature 0, or one-hot drafts (deterministic) at T > 0 along the
+    trajectories sampled from p (calibrate.trajectory_ranks); None otherwise (the measured vectors' law
+    stands). The tree's children must be the drafter's top-k under its law at the accepted prefix, as the
+    stars were: every static or Sequoia tree of a law drafter."""
     runs = profile.extra.get("rank_runs")
-    if not runs or cfg.workload.temperature != 0 or tree.size < 2:
+    walks = cfg.workload.temperature == 0 or Verifier(cfg.method.verifier) == Verifier.deterministic
+    if not runs or not walks or tree.size < 2:
         return None
     return loop_law(RankRuns.from_json(runs), tree)
 

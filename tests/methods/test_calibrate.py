@@ -1386,3 +1386,30 @@ def test_the_exact_estimators_variance_share_is_that_of_the_rank_zero_rate():
     assert got["rank0_rate"] == pytest.approx(0.5) and got["positions"] == 100
     assert got["variance_ratio"] == pytest.approx(0.09 * 100 / 99 / 0.25)
     assert _exact_extra([0, None, 1, 0]) == {}
+
+
+def test_one_hot_drafts_at_t1_record_the_trajectorys_ranks_and_the_loop_is_replayed(run_config, tiny_models,
+                                                                                     cache):
+    """T > 0 with one-hot drafts (verifier=deterministic): the verifier accepts child x_j with probability
+    p(x_j) (its rank law is p at the children), so the loop is the walk along a trajectory sampled from p:
+    the profile records, per root, the rank of the trajectory's token among the drafter's top-W, and τ of a
+    tree is that walk replayed (profiles.replayed_law); Sequoia's sampled stars record none."""
+    from methods.core.verify import rank_law
+    from methods.measurement.calibrate import trajectory_ranks
+    from methods.measurement.profiles import replayed_law
+
+    p = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    assert rank_law(Verifier.deterministic, p, None, torch.tensor([2, 0, 3])).tolist() == pytest.approx(
+        [0.3, 0.1, 0.2])
+    stars = [Star(torch.tensor([5, 7, 2]), None), Star(torch.tensor([1]), None)]
+    assert trajectory_ranks(stars, torch.tensor([2, 3])) == [2, -1]
+    cfg = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=deterministic")
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    runs = prof.extra["rank_runs"]
+    assert len(runs) == 2 and all(len(r) == 1 and len(r[0]) == 8 for r in runs)  # 2 prompts × 8 roots
+    assert all(-1 <= r < prof.width for p_ in runs for r in p_[0])
+    assert remeasure_reason(prof, cfg) == ""
+    assert replayed_law(cfg, prof, Tree.chain(3)) is not None
+    sampled = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=sequoia")
+    assert replayed_law(sampled, prof, Tree.chain(3)) is None  # its loop draws children: no walk
+    assert "rank_runs" not in measure_profile(sampled, tiny_models, show_progress=False).extra
