@@ -434,18 +434,20 @@ def _trajectories(run: _Run) -> list[torch.Tensor]:
 
 
 def _star_ranks(run: _Run, seqs: list[torch.Tensor]
-                ) -> tuple[list[list[int | None]], list[list[list[int]]] | None]:
+                ) -> tuple[list[list[Rank]], list[list[list[int]]] | None, list[int]]:
     """Accepted ranks of the star trees, per depth: [0] at every position (the positional vector); [d-1] for
     d >= 2 for drafters whose depth-d children come from their own law (Medusa's head d), verified against
     the target's law d-1 tokens further along the trajectory (the prefix the tree reached), and for
     proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed.
     Second: the same ranks per trajectory and depth, by root (−1: none accepted), where they are the greedy
-    loop's own (a law's top-W stars at temperature 0: specsim.replay), else None."""
+    loop's own (a law's top-W stars at temperature 0: specsim.replay), else None. Third: each trajectory's
+    number of depth-1 stars (the prompts as sampling units of the vector: _exact_extra)."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
     ranks: list[list[Rank]] = [[] for _ in range(depths)]
     runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # where the walk is exact
+    sizes: list[int] = []
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
@@ -457,13 +459,15 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
             got = star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
                              run.generator, run.cfg.method.params) if group else []
             ranks[d - 1] += got
+            if d == 1:
+                sizes.append(len(got))
             if runs is not None:  # a law's: root t's at [t]
                 mine.append([-1 if r is None else int(r) for r in got] if run.sampling.greedy
                             else trajectory_ranks(group, seq[parent + 1]))
         if runs is not None:
             runs.append(mine)
         run.bar.update()
-    return ranks, runs
+    return ranks, runs, sizes
 
 
 def trajectory_ranks(stars: Sequence[Star], tokens: torch.Tensor) -> list[int]:
@@ -1050,6 +1054,7 @@ class _Measured:
     wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
     rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (walkable stars)
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
+    star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1075,7 +1080,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # a loop drafter's acceptance: every calibration prompt through the loop, as long as the workload's
     # generations (Lookahead's window warms up and its pool fills as a generation goes on)
     loop = cfg.method.drafter in LOOP_DRAFTERS
-    ranks, runs = ([], None) if loop else _star_ranks(run, seqs)
+    ranks, runs, star_sizes = ([], None, []) if loop else _star_ranks(run, seqs)
     exit_table = exit_confidence(run, seqs)
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
@@ -1097,7 +1102,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates)
+                          runs, updates, star_sizes)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1106,7 +1111,8 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
     counts = rank_weights(m.ranks[0], width)  # none last; expected counts where the ranks' laws are exact
     return {
         "rank_counts": [int(c) if float(c).is_integer() else float(c) for c in counts],
-        "star_rule": star_rule(cfg).name, "star_estimator": STAR_ESTIMATOR, **_exact_extra(m.ranks[0]),
+        "star_rule": star_rule(cfg).name, "star_estimator": STAR_ESTIMATOR,
+        **_exact_extra(m.ranks[0], m.star_sizes),
         "temperature": cfg.workload.temperature,
         "split_sizes": split_sizes(cfg),
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
@@ -1155,20 +1161,32 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
     }
 
 
-def _exact_extra(ranks: Sequence[Rank]) -> dict[str, Any]:
-    """Where the depth-1 stars' ranks are exact laws (star_ranks, T > 0): how much of a flipped estimator's
-    variance they keep, per position, for p_1 (the rank-0 rate: a chain's at every depth, a tree's heaviest
-    entry) — Var(s_t) / (p̄_1 (1 − p̄_1)), s_t the position's rank-0 probability (a flipped indicator's
-    variance is p̄_1 (1 − p̄_1)). The prediction's own standard error scales by its square root
+def _exact_extra(ranks: Sequence[Rank], sizes: Sequence[int] = ()) -> dict[str, Any]:
+    """Where the depth-1 stars' ranks are exact laws (star_ranks, T > 0): the share of a flipped estimator's
+    variance of p_1 (the rank-0 rate: a chain's at every depth, a tree's heaviest entry) the exact one keeps,
+    V_exact / V_flipped. Each V is the larger of the positions-as-draws variance of the mean and the
+    prompts-as-units one (``sizes``: positions per trajectory, in order; as τ's own error,
+    specsim.tau_error): a flipped indicator at a position of rank-0 probability s_t adds s_t (1 − s_t) to
+    the exact s_t's spread, so V_flipped is p̄_1 (1 − p̄_1) / N position-wise and V_exact + Σ s_t (1 − s_t) /
+    N² prompt-wise. The prediction's own standard error scales by the share's square root
     (analysis.validation_terms.prediction_standard_error). Nothing where every rank was read without flips
     (greedy, typical)."""
     if not any(isinstance(r, tuple) for r in ranks):
         return {}
     s = first_rank_probabilities(ranks)
-    mean = float(s.mean())
-    flipped = mean * (1 - mean)
-    ratio = float(min(1.0, s.var(ddof=1) / flipped)) if flipped > 0 and s.size > 1 else 1.0
-    return {"star_exact": {"positions": int(s.size), "rank0_rate": mean, "variance_ratio": ratio}}
+    n, mean = s.size, float(s.mean())
+    if n < 2 or not 0 < mean < 1:
+        return {"star_exact": {"positions": int(n), "rank0_rate": mean, "variance_ratio": 1.0}}
+    exact, flipped = s.var(ddof=1) / n, mean * (1 - mean) / n
+    if len(sizes) >= 2 and sum(sizes) == n:
+        bounds = np.cumsum([0, *sizes])
+        totals = np.array([s[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+        k = len(sizes)
+        clustered = float(((totals - mean * np.array(sizes)) ** 2).sum() * k / (k - 1)) / n ** 2
+        exact = max(exact, clustered)
+        flipped = max(flipped, clustered + float((s * (1 - s)).sum()) / n ** 2)
+    return {"star_exact": {"positions": int(n), "rank0_rate": mean,
+                           "variance_ratio": float(min(1.0, exact / flipped))}}
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:

@@ -1378,14 +1378,19 @@ def test_the_prediction_carries_the_exact_stars_variance_share_only_where_tau_co
 
 
 def test_the_exact_estimators_variance_share_is_that_of_the_rank_zero_rate():
-    """p_1 at .2 on half the positions and .8 on the others: a flipped indicator's variance is .5 · .5, the
-    exact law's the positions' spread (.09 · n/(n−1)): a share of .36; greedy ranks record nothing."""
+    """p_1 at .2 on half the positions and .8 on the others, alternating: a flipped indicator's variance is
+    .5 · .5, the exact law's the positions' spread (.09 · n/(n−1)): a share of .36; greedy ranks record
+    nothing."""
     from methods.measurement.calibrate import _exact_extra
 
     got = _exact_extra([(0.2, 0.5), (0.8, 0.1)] * 50)["star_exact"]
     assert got["rank0_rate"] == pytest.approx(0.5) and got["positions"] == 100
     assert got["variance_ratio"] == pytest.approx(0.09 * 100 / 99 / 0.25)
     assert _exact_extra([0, None, 1, 0]) == {}
+    # the same positions as two prompts, one all .2 and one all .8: the prompts' spread (.09 of the mean's
+    # variance) dominates both estimators, the flips add .16 · 100 / 100²: the exact one keeps 98%
+    by_prompt = _exact_extra([(0.2,)] * 50 + [(0.8,)] * 50, [50, 50])["star_exact"]
+    assert by_prompt["variance_ratio"] == pytest.approx(0.09 / (0.09 + 0.0016))
 
 
 def test_one_hot_drafts_at_t1_record_the_trajectorys_ranks_and_the_loop_is_replayed(run_config, tiny_models,
