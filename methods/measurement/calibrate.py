@@ -30,7 +30,7 @@ from methods.core.drafter import Draft, DraftContext
 from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode, verify_step
 from methods.core.metrics import AcceptStats
-from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.sampling import SamplingParams, draw_candidates, draw_without_replacement, probs
 from methods.core.timing import (
     forward_round,
     forward_times,
@@ -99,14 +99,15 @@ class Star:
 
 def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: SamplingParams,
                   generator: torch.Generator) -> list[Star]:
-    """One star per row of the draft logits (T, V): the top-W, or W draws without replacement from the
-    processed q by the exponential race (descending q/E, E ~ Exp(1), is a sequential draw ∝ q); a row with
-    fewer than W tokens of mass gets fewer children."""
+    """One star per row of the draft logits (T, V): the top-W, or W draws from the processed q as the run's
+    drafters draw them (``rule.draw_mode``): i.i.d. for SpecInfer, else without replacement by the
+    exponential race (descending q/E, E ~ Exp(1), is a sequential draw ∝ q), where a row with fewer than W
+    tokens of mass gets fewer children."""
     if not rule.sample:
         cands = q_logits.topk(width, dim=-1).indices  # (T, W)
         return [Star(c, None) for c in cands]
     q = probs(q_logits, sampling)  # (T, V)
-    cands, drawn = draw_without_replacement(q, width, generator)  # (T, W) each
+    cands, drawn = draw_candidates(q, width, rule.draw_mode, generator)  # (T, W) each
     return [Star(c[ok], qt) for c, ok, qt in zip(cands, drawn, q)]
 
 
@@ -134,7 +135,7 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
         if k == 0:
             out.append(None)
             continue
-        one_hot = star.q is None and rule.verifier == Verifier.sequoia  # a proposal that came without q
+        one_hot = star.q is None and rule.sample  # a proposal that came without q
         verifier = Verifier.deterministic if one_hot else rule.verifier
         if verifier in NODE_RULES:
             out.append(_exact_ranks(verifier, p[t], star))

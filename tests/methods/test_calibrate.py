@@ -1418,3 +1418,27 @@ def test_one_hot_drafts_at_t1_record_the_trajectorys_ranks_and_the_loop_is_repla
     sampled = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=sequoia")
     assert replayed_law(sampled, prof, Tree.chain(3)) is None  # its loop draws children: no walk
     assert "rank_runs" not in measure_profile(sampled, tiny_models, show_progress=False).extra
+
+
+def test_specinfer_stars_draw_with_replacement_as_its_drafters_do(run_config):
+    """SpecInfer's drafters draw a node's children i.i.d.: V = 2, p = (.5, .5), q = (.9, .1), W = 2. Rank 0
+    is Σ min(p, q) = .6; after rejecting token 0 the residual is one-hot on 1 and the second draw is 0 again
+    w.p. .9 (accepted w.p. 0) or 1 (accepted): P(rank 1) = .9 · 4/9 · .1 = .04, none .36 — where Sequoia's
+    stars (without replacement) read .4 and 0. The rule is in the profile key (its name)."""
+    from methods.measurement.profiles import key_document, star_rule
+
+    spec = run_config("method=vanilla", "workload.temperature=1", "method.verifier=specinfer")
+    assert star_rule(spec) == StarRule(True, Verifier.specinfer)
+    assert star_rule(spec).draw_mode == "with_replacement"
+    seq = run_config("method=vanilla", "workload.temperature=1", "method.verifier=sequoia")
+    assert star_rule(seq).draw_mode == "without_replacement"
+    assert key_document(spec)["star"] != key_document(seq)["star"]
+    n, gen = 4000, torch.Generator().manual_seed(0)
+    q_logits = torch.tensor([0.9, 0.1]).log().expand(n, 2)
+    rule = star_rule(spec)
+    stars = star_children(q_logits, 2, rule, SamplingParams(temperature=1.0), gen)
+    assert any(int(s.children[0]) == int(s.children[1]) for s in stars)  # repeats happen
+    p = torch.tensor([0.5, 0.5]).expand(n, 2)
+    v = rank_vector(star_ranks(p, torch.zeros(n, dtype=torch.long), stars, rule, gen), 2)
+    assert v[1] == pytest.approx(0.6) and v[2] == pytest.approx(0.04, abs=0.01) and v[3] == pytest.approx(
+        0.36, abs=0.01)
