@@ -209,11 +209,15 @@ def prediction_standard_error(df: pd.DataFrame, tau_se_rel: pd.Series) -> pd.Ser
     the prompts decoded × max_new_tokens. Exact where the steps are independent; where τ is a property of the
     prompt (the prompt-wise error dominates) it over-states the calibration's error by up to
     sqrt(test / calibration tokens per prompt) (48 / 32: 1.22×), so a miss is called model error only beyond
-    it. NaN without the calibration's size (rows without a profile: autoregressive)."""
+    it. NaN without the calibration's size (rows without a profile: autoregressive). Where τ came from star
+    vectors read without the verifier's coin flips (T > 0: ``predicted_tau_star_variance_ratio``, the share
+    of a flipped estimator's per-position variance the exact one keeps), it is scaled by that share's square
+    root: the test run's dispersion includes the flips the calibration no longer has."""
     test = _num(df, "num_prompts") * _num(df, "workload.max_new_tokens")
     cal = _num(df, "calibration.prompts") * _num(df, "calibration.new_tokens")
     has_profile = df["profile_path"].notna() if "profile_path" in df else pd.Series(False, index=df.index)
-    out = tau_se_rel * np.sqrt(test / cal)
+    kept = _num(df, "predicted_tau_star_variance_ratio").fillna(1.0).clip(0.0, 1.0)
+    out = tau_se_rel * np.sqrt(test / cal * kept)
     return out.where(has_profile & (cal > 0)).astype(float)
 
 

@@ -374,3 +374,29 @@ def verify(kind: Verifier | str, draft: Draft, p: Tensor, generator: Source, **p
     """Dispatch to the configured verifier; `params` go to it by name (only typical takes any: epsilon,
     delta), so a misspelt parameter raises TypeError instead of being swallowed."""
     return VERIFIERS[Verifier(kind)](draft, p, generator, **params)
+
+
+# ---- exact acceptance at one node (the calibration's star trees, methods.measurement.calibrate) ----------
+NODE_RULES: dict[Verifier, NodeRule] = {
+    Verifier.specinfer: _specinfer_rule,
+    Verifier.sequoia: _sequoia_rule,
+    Verifier.deterministic: _deterministic_rule,
+}
+
+
+def rank_law(kind: Verifier | str, p: Tensor, q: Tensor | None, xs: Tensor) -> Tensor:
+    """The law of the accepted child's rank at one node whose children are ``xs`` (k,) in order, the
+    verifier's coin flips integrated out: P(rank i) = a_i Π_{j<i} (1 − a_j), a_j the node rule's acceptance of
+    child j given the earlier siblings rejected (what ``_walk`` flips). p: (V,) the target law at the node,
+    q: (V,) the law the children were drawn from (None for a one-hot rule). Returns (k,); none accepted is
+    1 − its sum. Exact given the children: it is the expectation of the rank's indicator over the flips,
+    so its mean over draws equals the flipped verifier's and its variance is smaller (Rao-Blackwell)."""
+    kind = Verifier(kind)
+    if kind not in NODE_RULES:
+        raise VerifyError(f"rank_law: no per-node rule for verifier {kind.value} (one of "
+                          f"{', '.join(v.value for v in NODE_RULES)})")
+    if xs.numel() == 0:
+        return p.new_zeros(0)
+    accept, _ = NODE_RULES[kind](p, q, xs)
+    reached = torch.cumprod(torch.cat([accept.new_ones(1), 1 - accept[:-1]]), 0)  # all earlier rejected
+    return reached * accept

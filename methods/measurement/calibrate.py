@@ -30,7 +30,7 @@ from methods.core.drafter import Draft, DraftContext
 from methods.core.engine import ForwardOut, ModelEngine
 from methods.core.loop import DecodeOptions, decode, verify_step
 from methods.core.metrics import AcceptStats
-from methods.core.sampling import SamplingParams, draw_without_replacement, probs
+from methods.core.sampling import SamplingParams, draw_candidates, draw_without_replacement, probs
 from methods.core.timing import (
     forward_round,
     forward_times,
@@ -39,7 +39,7 @@ from methods.core.timing import (
     star_inputs,
     verify_times,
 )
-from methods.core.verify import verifier_params, verify
+from methods.core.verify import NODE_RULES, rank_law, verifier_params, verify
 from methods.data.workloads import load_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import NEEDS_DRAFT_MODEL, backbone_of, build_drafter, drafter_class
@@ -99,32 +99,47 @@ class Star:
 
 def star_children(q_logits: torch.Tensor, width: int, rule: StarRule, sampling: SamplingParams,
                   generator: torch.Generator) -> list[Star]:
-    """One star per row of the draft logits (T, V): the top-W, or W draws without replacement from the
-    processed q by the exponential race (descending q/E, E ~ Exp(1), is a sequential draw ∝ q); a row with
-    fewer than W tokens of mass gets fewer children."""
+    """One star per row of the draft logits (T, V): the top-W, or W draws from the processed q as the run's
+    drafters draw them (``rule.draw_mode``): i.i.d. for SpecInfer, else without replacement by the
+    exponential race (descending q/E, E ~ Exp(1), is a sequential draw ∝ q), where a row with fewer than W
+    tokens of mass gets fewer children."""
     if not rule.sample:
         cands = q_logits.topk(width, dim=-1).indices  # (T, W)
         return [Star(c, None) for c in cands]
     q = probs(q_logits, sampling)  # (T, V)
-    cands, drawn = draw_without_replacement(q, width, generator)  # (T, W) each
+    cands, drawn = draw_candidates(q, width, rule.draw_mode, generator)  # (T, W) each
     return [Star(c[ok], qt) for c, ok, qt in zip(cands, drawn, q)]
 
 
+Rank = int | None | tuple[float, ...]  # an accepted rank (None: none), or the law of the ranks (star_ranks)
+
+
 def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule: StarRule,
-               generator: torch.Generator, params: Mapping | None = None) -> list[int | None]:
+               generator: torch.Generator, params: Mapping | None = None) -> list[Rank]:
     """Verify one star tree per position with the configured verifier (methods.core.verify): p (T, V)
     processed target law after each root, roots (T,) root tokens; ``params``: method.params, whose verifier
-    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if
-    none."""
+    keys (typical acceptance's ε, δ) reach the verifier. The accepted child's rank (0-based), None if none —
+    where the verifier decides without coin flips (greedy, typical). Where it flips them (T > 0: the
+    rejection rules of Sequoia, SpecInfer and one-hot drafts), the exact law of the rank instead
+    (``methods.core.verify.rank_law``: P(rank i) per child, none = 1 − the sum), the flips integrated out; and
+    where the children were drawn from q, rank 0's probability is further averaged over the first draw:
+    Σ_x min(p(x), q(x)), the acceptance of x ~ q (Leviathan et al. 2023, §3.1). The later ranks stay
+    conditioned on the children drawn (their average over the draws is not tractable here: the residual
+    after a rejection depends on which token was rejected). Each entry's expectation is the flipped
+    indicator's, so the vector has the flipped estimator's mean and a smaller variance; s8-tau2 read
+    vanilla grounded's flipped depth-1 rate one binomial s.e. above the exact one."""
     kwargs = verifier_params(rule.verifier, params or {})
-    out: list[int | None] = []
+    out: list[Rank] = []
     for t, star in enumerate(stars):
         k = int(star.children.numel())
         if k == 0:
             out.append(None)
             continue
-        one_hot = star.q is None and rule.verifier == Verifier.sequoia  # a proposal that came without q
+        one_hot = star.q is None and rule.sample  # a proposal that came without q
         verifier = Verifier.deterministic if one_hot else rule.verifier
+        if verifier in NODE_RULES:
+            out.append(_exact_ranks(verifier, p[t], star))
+            continue
         tree = Tree.from_parents([-1] + [0] * k)  # ranks 0..k-1 in order
         tokens = torch.cat([roots[t : t + 1].to(p.device), star.children.to(p.device)])  # roots: the host's
         q = None if star.q is None else star.q.expand(k + 1, -1)  # only row 0 (the root's) is read
@@ -135,13 +150,40 @@ def star_ranks(p: torch.Tensor, roots: torch.Tensor, stars: Sequence[Star], rule
     return out
 
 
-def rank_vector(ranks: Sequence[int | None], width: int) -> list[float]:
-    """Sequoia's [0, p_1, …, p_W, p_none] from accepted ranks (0-based; None = none accepted)."""
+def _exact_ranks(verifier: Verifier, p: torch.Tensor, star: Star) -> tuple[float, ...]:
+    """star_ranks' law of one star's accepted rank (p: (V,) the target law at its root)."""
+    q = None if star.q is None else star.q.to(p.dtype)
+    law = rank_law(verifier, p, q, star.children.to(p.device))
+    if q is not None and verifier in (Verifier.sequoia, Verifier.specinfer):  # child 0 ~ q, integrated out
+        law[0] = torch.minimum(p, q).sum()
+    return tuple(law.tolist())
+
+
+def rank_weights(ranks: Sequence[Rank], width: int) -> np.ndarray:
+    """Expected counts [rank 0, …, rank W−1, none] of star_ranks' entries: one per accepted rank, a law's
+    probabilities, none = positions − the accepted total (exact in expectation; clipped at 0)."""
     counts = np.zeros(width + 1)
     for r in ranks:
-        counts[width if r is None else r] += 1
+        if isinstance(r, tuple):
+            counts[: len(r)] += r
+        elif r is not None:
+            counts[r] += 1
+    counts[width] = max(0.0, len(ranks) - counts[:width].sum())
+    return counts
+
+
+def rank_vector(ranks: Sequence[Rank], width: int) -> list[float]:
+    """Sequoia's [0, p_1, …, p_W, p_none] from accepted ranks (0-based; None: none accepted) or laws."""
+    counts = rank_weights(ranks, width)
     assert counts.sum() > 0, "no position was verified"
     return [0.0, *(counts / counts.sum()).tolist()]
+
+
+def first_rank_probabilities(ranks: Sequence[Rank]) -> np.ndarray:
+    """Each position's probability that its star accepted the rank-0 child (1/0 for a flipped or greedy
+    rank): p_1, the rate a chain is priced on at every depth and a tree's heaviest entry."""
+    return np.array([(r[0] if r else 0.0) if isinstance(r, tuple) else float(r == 0) for r in ranks],
+                    dtype=float)
 
 
 # ---- one calibration ------------------------------------------------------------------------------------
@@ -273,17 +315,22 @@ def _eagle_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Te
 
 def _self_draft_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
                     ) -> torch.Tensor:
-    """q after each root from the drafter's own sub-layers of the target (``drafter.sub``: LayerSkip's early
-    exit, Draft & Verify's skipped sub-layers) over the true sequence. Positional: the draft reads the
-    target's KV of the committed prefix, exactly for LayerSkip at every depth (layers [0, E) of draft nodes
-    are the target's own); for Draft & Verify deeper drafts also read the earlier drafts' skipped-layer KV,
-    which this law does not (an approximation at depth > 1)."""
+    """q after each root (ascending positions) from the drafter's own sub-layers of the target
+    (``drafter.sub``: LayerSkip's early exit, Draft & Verify's skipped sub-layers) as the loop drafts it:
+    the root through the sub-layers over the target's full KV of the committed prefix (the verify forward
+    wrote it), then the root committed by a full forward. A sub-layer forward over the whole sequence is
+    the same for LayerSkip (its layers [0, E) see the same inputs either way) but not for Draft & Verify:
+    its later kept layers would read a prefix KV the skipped layers never fed, a worse draft than the loop's
+    (prose T = 1 read τ −5.0% on 33 prompts). Positional: deeper Draft & Verify drafts also read the earlier
+    drafts' skipped-layer KV, which this law does not (an approximation at depth > 1)."""
     assert depth == 1, "the self-draft law is positional"
-    engine = run.target
+    engine, rows = run.target, []
     engine.reset()
-    out = engine.extend(seq.to(engine.device), list(range(-1, seq.numel() - 1)), sub=run.drafter.sub)
-    engine.drop_pending()
-    return out.logits[roots]  # (T, V)
+    for r in roots.tolist():
+        engine.prefill(seq[engine.length : r].to(engine.device))  # the full model's KV before the root
+        rows.append(engine.extend(seq[r : r + 1].to(engine.device), [-1], sub=run.drafter.sub).logits[-1])
+        engine.drop_pending()
+    return torch.stack(rows)  # (T, V)
 
 
 def _mtp_law(run: _Run, seq: torch.Tensor, target: ForwardOut, roots: torch.Tensor, depth: int = 1
@@ -393,18 +440,20 @@ def _trajectories(run: _Run) -> list[torch.Tensor]:
 
 
 def _star_ranks(run: _Run, seqs: list[torch.Tensor]
-                ) -> tuple[list[list[int | None]], list[list[list[int]]] | None]:
+                ) -> tuple[list[list[Rank]], list[list[list[int]]] | None, list[int]]:
     """Accepted ranks of the star trees, per depth: [0] at every position (the positional vector); [d-1] for
     d >= 2 for drafters whose depth-d children come from their own law (Medusa's head d), verified against
     the target's law d-1 tokens further along the trajectory (the prefix the tree reached), and for
     proposal drafters (prompt lookup: a copied span's tokens are right or wrong together), see _proposed.
     Second: the same ranks per trajectory and depth, by root (−1: none accepted), where they are the greedy
-    loop's own (a law's top-W stars at temperature 0: specsim.replay), else None."""
+    loop's own (a law's top-W stars at temperature 0: specsim.replay), else None. Third: each trajectory's
+    number of depth-1 stars (the prompts as sampling units of the vector: _exact_extra)."""
     rule, law = star_rule(run.cfg), LAWS.get(run.cfg.method.drafter)
     want_hidden = bool(getattr(run.drafter, "needs_hidden_states", False))
     depths = star_depths(run)
-    ranks: list[list[int | None]] = [[] for _ in range(depths)]
-    runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # used at T = 0 only
+    ranks: list[list[Rank]] = [[] for _ in range(depths)]
+    runs: list[list[list[int]]] | None = [] if records_rank_runs(run.cfg) else None  # where the walk is exact
+    sizes: list[int] = []
     for ids, seq in zip(run.prompts, seqs):
         n_prompt = ids.numel()
         roots = torch.arange(n_prompt - 1, seq.numel() - 1)  # (T,) positions the target generated after
@@ -416,11 +465,28 @@ def _star_ranks(run: _Run, seqs: list[torch.Tensor]
             got = star_ranks(probs(out.logits[parent], run.sampling), seq[parent], group, rule,
                              run.generator, run.cfg.method.params) if group else []
             ranks[d - 1] += got
-            mine.append([-1 if r is None else int(r) for r in got])  # a law's: root t's at [t]
+            if d == 1:
+                sizes.append(len(got))
+            if runs is not None:  # a law's: root t's at [t]
+                mine.append([-1 if r is None else int(r) for r in got] if run.sampling.greedy
+                            else trajectory_ranks(group, seq[parent + 1]))
         if runs is not None:
             runs.append(mine)
         run.bar.update()
-    return ranks, runs
+    return ranks, runs, sizes
+
+
+def trajectory_ranks(stars: Sequence[Star], tokens: torch.Tensor) -> list[int]:
+    """Per star, the rank of the trajectory's next token (``tokens``: one per star) among its children, −1
+    if absent: at T > 0 the child a one-hot verifier accepts when the loop emits the trajectory's token.
+    Recursive rejection of one-hot drafts accepts child x_j with probability p(x_j) and otherwise draws
+    from p off the children, so the token it emits is a draw from p and the accepted child is the one equal
+    to it: the loop is the walk along a trajectory sampled from p (specsim.replay), exactly."""
+    out = []
+    for star, tok in zip(stars, tokens.tolist()):
+        hit = (star.children == tok).nonzero()
+        out.append(int(hit[0, 0]) if hit.numel() else -1)
+    return out
 
 
 def _spec_opts(run: _Run, new_tokens: int | None = None) -> DecodeOptions:
@@ -979,7 +1045,7 @@ def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
 
 @dataclass(frozen=True)
 class _Measured:
-    ranks: list[list[int | None]]  # accepted rank of each star tree (None: none accepted), per depth
+    ranks: list[list[Rank]]  # accepted rank (None: none) or its law (star_ranks) of each star, per depth
     stats: AcceptStats  # the drafter's chain/tree in the loop
     table: CostTable  # t(1) and the ratios of the other costs to it, from interleaved rounds
     attempts: list[dict[str, float]]  # dispersion of every timing attempt (the last one is ``table``'s)
@@ -992,8 +1058,9 @@ class _Measured:
     sizes: dict[int, int] = field(default_factory=dict)  # drafts of each size in the depth run (SizeRecorder)
     levels: list[float] = field(default_factory=list)  # their mean nodes per depth, root first
     wide_sizes: dict[int, int] = field(default_factory=dict)  # the wide loop's drafts of each size, all steps
-    rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (greedy law stars)
+    rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (walkable stars)
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
+    star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1019,7 +1086,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # a loop drafter's acceptance: every calibration prompt through the loop, as long as the workload's
     # generations (Lookahead's window warms up and its pool fills as a generation goes on)
     loop = cfg.method.drafter in LOOP_DRAFTERS
-    ranks, runs = ([], None) if loop else _star_ranks(run, seqs)
+    ranks, runs, star_sizes = ([], None, []) if loop else _star_ranks(run, seqs)
     exit_table = exit_confidence(run, seqs)
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
@@ -1041,15 +1108,17 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates)
+                          runs, updates, star_sizes)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
     """The calibration's own figures, kept in the profile for inspection."""
     width, t = cfg.calibration.width, m.table
-    counts = np.bincount([width if r is None else r for r in m.ranks[0]], minlength=width + 1)  # none last
+    counts = rank_weights(m.ranks[0], width)  # none last; expected counts where the ranks' laws are exact
     return {
-        "rank_counts": counts.tolist(), "star_rule": star_rule(cfg).name,
+        "rank_counts": [int(c) if float(c).is_integer() else float(c) for c in counts],
+        "star_rule": star_rule(cfg).name, "star_estimator": STAR_ESTIMATOR, "self_draft_law": SELF_DRAFT_LAW,
+        **_exact_extra(m.ranks[0], m.star_sizes),
         "temperature": cfg.workload.temperature,
         "split_sizes": split_sizes(cfg),
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
@@ -1096,6 +1165,34 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the greedy loop on the trajectories (specsim.replay; profiles.replayed_law)
         **({"rank_runs": m.rank_runs} if m.rank_runs else {}),
     }
+
+
+def _exact_extra(ranks: Sequence[Rank], sizes: Sequence[int] = ()) -> dict[str, Any]:
+    """Where the depth-1 stars' ranks are exact laws (star_ranks, T > 0): the share of a flipped estimator's
+    variance of p_1 (the rank-0 rate: a chain's at every depth, a tree's heaviest entry) the exact one keeps,
+    V_exact / V_flipped. Each V is the larger of the positions-as-draws variance of the mean and the
+    prompts-as-units one (``sizes``: positions per trajectory, in order; as τ's own error,
+    specsim.tau_error): a flipped indicator at a position of rank-0 probability s_t adds s_t (1 − s_t) to
+    the exact s_t's spread, so V_flipped is p̄_1 (1 − p̄_1) / N position-wise and V_exact + Σ s_t (1 − s_t) /
+    N² prompt-wise. The prediction's own standard error scales by the share's square root
+    (analysis.validation_terms.prediction_standard_error). Nothing where every rank was read without flips
+    (greedy, typical)."""
+    if not any(isinstance(r, tuple) for r in ranks):
+        return {}
+    s = first_rank_probabilities(ranks)
+    n, mean = s.size, float(s.mean())
+    if n < 2 or not 0 < mean < 1:
+        return {"star_exact": {"positions": int(n), "rank0_rate": mean, "variance_ratio": 1.0}}
+    exact, flipped = s.var(ddof=1) / n, mean * (1 - mean) / n
+    if len(sizes) >= 2 and sum(sizes) == n:
+        bounds = np.cumsum([0, *sizes])
+        totals = np.array([s[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+        k = len(sizes)
+        clustered = float(((totals - mean * np.array(sizes)) ** 2).sum() * k / (k - 1)) / n ** 2
+        exact = max(exact, clustered)
+        flipped = max(flipped, clustered + float((s * (1 - s)).sum()) / n ** 2)
+    return {"star_exact": {"positions": int(n), "rank0_rate": mean,
+                           "variance_ratio": float(min(1.0, exact / flipped))}}
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
@@ -1269,6 +1366,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "the loop's verification not timed on a wide tree (an older calibration)"
     if records_rank_runs(cfg) and not profile.extra.get("rank_runs"):
         return "no accepted rank per root to replay the greedy loop on (an older calibration)"
+    if flips_stars(cfg) and profile.extra.get("star_estimator") != STAR_ESTIMATOR:
+        return "star acceptance read from the verifier's coin flips (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 
@@ -1290,12 +1389,25 @@ def smaller_split(profile: Profile, cfg: RunConfig) -> str:
     return ", ".join(f"{k} {had.get(k, 0)} < {v}" for k, v in split_sizes(cfg).items() if had.get(k, 0) < v)
 
 
+STAR_ESTIMATOR = "exact"  # star_ranks' laws where the verifier flips coins (a profile mark)
+SELF_DRAFT_LAW = "full prefix KV"  # _self_draft_law's q: the root's sub-layers over the target's prefix KV
+
+
+def flips_stars(cfg: RunConfig) -> bool:
+    """Whether a calibration of ``cfg`` verifies star trees with a verifier that flips coins (T > 0, Sequoia's
+    or the one-hot rule: star_ranks gives their exact laws); loop drafters verify no stars."""
+    return (cfg.workload.temperature > 0 and cfg.method.drafter not in LOOP_DRAFTERS
+            and star_rule(cfg).verifier in NODE_RULES)
+
+
 def records_rank_runs(cfg: RunConfig) -> bool:
     """Whether a calibration of ``cfg`` records each root's accepted rank per depth (_star_ranks' second
-    part): a drafter with a law here (not a loop drafter) at temperature 0."""
-    drafter = cfg.method.drafter
-    return (drafter in LAWS and drafter not in LOOP_DRAFTERS and not star_rule(cfg).sample
-            and cfg.workload.temperature == 0)
+    part): a drafter with a law here (not a loop drafter) whose stars are its top-W verified by a rule that
+    makes the loop a walk along the trajectory — greedy at temperature 0, or one-hot drafts at T > 0
+    (trajectory_ranks). Not Sequoia's sampled stars: their children are draws, not the drafter's own."""
+    drafter, rule = cfg.method.drafter, star_rule(cfg)
+    return (drafter in LAWS and drafter not in LOOP_DRAFTERS and not rule.sample
+            and rule.verifier in (Verifier.greedy, Verifier.deterministic))
 
 
 def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
@@ -1313,6 +1425,8 @@ def missing_self_draft(profile: Profile, cfg: RunConfig) -> str:
     if drafter == "draft_verify" and drafted is not None and (
             int(extra.get("loop_verify_forward_tokens") or 0) > round(1 + float(drafted))):
         return "verification overhead taken beside the longest draft's forward, not the drafted one's"
+    if drafter == "draft_verify" and extra.get("self_draft_law") != SELF_DRAFT_LAW:
+        return "its q read by a sub-layer forward over the whole sequence (an older calibration)"
     if drafter == "layerskip" and "shared_verify" not in extra:
         return "no timed shared-cache verify"
     if (drafter not in LAWS and drafter not in LOOP_DRAFTERS and cfg.workload.temperature > 0

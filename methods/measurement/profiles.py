@@ -170,8 +170,14 @@ def _resolved(path: str) -> str:
 class StarRule:
     """How a star tree's children are chosen and verified."""
 
-    sample: bool  # W draws without replacement from q (else q's top-W, deterministic)
+    sample: bool  # W draws from q (draw_mode; else q's top-W, deterministic)
     verifier: Verifier
+
+    @property
+    def draw_mode(self) -> str:
+        """methods.core.sampling.draw_candidates' mode of a sampled star: the run's drafters draw SpecInfer's
+        children i.i.d. (with replacement), Sequoia's without."""
+        return "with_replacement" if self.verifier == Verifier.specinfer else "without_replacement"
 
     @property
     def name(self) -> str:
@@ -181,13 +187,16 @@ class StarRule:
 def star_rule(cfg: RunConfig) -> StarRule:
     """Temperature 0: top-W, greedy verification (the accepted rank is the rank of p's argmax, if there).
     Otherwise Sequoia's sampling without replacement and its verifier — unless the method verifies
-    deterministic drafts (deterministic, or Medusa's lossy typical): then top-W with that verifier."""
+    deterministic drafts (deterministic, or Medusa's lossy typical): then top-W with that verifier; or
+    SpecInfer's, whose drafters draw children i.i.d. (with replacement: a later draw can repeat a rejected
+    token, accepted with probability 0): then W i.i.d. draws and SpecInfer's rule. EAGLE's 26-node tree at
+    T = 1 read τ +4.0% on 48 code prompts priced from Sequoia's stars (+3.9% exact)."""
     if cfg.workload.temperature == 0:
         return StarRule(False, Verifier.greedy)
     v = Verifier(cfg.method.verifier)
     if v in (Verifier.deterministic, Verifier.typical):
         return StarRule(False, v)
-    return StarRule(True, Verifier.sequoia)
+    return StarRule(True, Verifier.specinfer if v == Verifier.specinfer else Verifier.sequoia)
 
 
 # drafters whose acceptance is measured through the decode loop (methods.measurement.calibrate): Lookahead
@@ -708,13 +717,15 @@ def member_draft_s(cfg: RunConfig, profile: Profile, member: Tree) -> float | No
 
 
 def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
-    """The law of τ of ``tree`` from the greedy loop replayed on the calibration's trajectories
-    (specsim.replay) at temperature 0, where the profile recorded each root's accepted rank per depth
-    (``rank_runs``); None otherwise (the measured vectors' law stands). The tree's children must be the
-    drafter's top-k under its law at the accepted prefix, as the greedy stars were: every static or Sequoia
-    tree of a law drafter."""
+    """The law of τ of ``tree`` from the loop replayed on the calibration's trajectories (specsim.replay),
+    where the profile recorded each root's accepted rank per depth (``rank_runs``) and the run's verifier
+    makes the loop that walk: greedy at temperature 0, or one-hot drafts (deterministic) at T > 0 along the
+    trajectories sampled from p (calibrate.trajectory_ranks); None otherwise (the measured vectors' law
+    stands). The tree's children must be the drafter's top-k under its law at the accepted prefix, as the
+    stars were: every static or Sequoia tree of a law drafter."""
     runs = profile.extra.get("rank_runs")
-    if not runs or cfg.workload.temperature != 0 or tree.size < 2:
+    walks = cfg.workload.temperature == 0 or Verifier(cfg.method.verifier) == Verifier.deterministic
+    if not runs or not walks or tree.size < 2:
         return None
     return loop_law(RankRuns.from_json(runs), tree)
 
@@ -857,6 +868,13 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
 
         here = _sized_summary(here, sizes, loop)
         preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time)
+    kept = (profile.extra.get("star_exact") or {}).get("variance_ratio")
+    looped = shapes is not None and getattr(shapes, "loop", None) is not None  # the recording loop's own τ
+    if kept is not None and one_law and replayed is None and served is None and not looped:
+        # τ from the star vectors, read without the verifier's coin flips (calibrate.star_ranks): the share of
+        # a flipped estimator's variance they keep scales the prediction's own standard error
+        # (analysis.validation_terms.prediction_standard_error)
+        here, preset = ({**d, "predicted_tau_star_variance_ratio": float(kept)} for d in (here, preset))
     return here, preset
 
 

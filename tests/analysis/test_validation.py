@@ -395,3 +395,14 @@ def test_the_prediction_has_its_own_standard_error_and_misses_are_judged_on_both
                                                                                   **sizes)])))
     assert s["share_tau_within_2se_combined"] == 0.5 and s["share_tau_within_2se"] == 0.0
     assert s["tau_pred_se_median"] == pytest.approx(pred)
+
+
+def test_a_prediction_from_exact_star_acceptance_has_a_smaller_standard_error():
+    """τ priced from star vectors read without coin flips (T > 0): the prediction's s.e. is the flipped
+    estimator's times the square root of the variance share the exact one keeps (0.25 → half)."""
+    sizes = {"profile_path": "p.json", "num_prompts": 4, "workload.max_new_tokens": 48,
+             "calibration.prompts": 24, "calibration.new_tokens": 32}
+    flipped = errors(pd.DataFrame([_run(predicted_tau=3.1, **sizes)])).loc[0, "tau_pred_se_rel"]
+    exact = errors(pd.DataFrame([_run(predicted_tau=3.1, predicted_tau_star_variance_ratio=0.25,
+                                      **sizes)])).loc[0, "tau_pred_se_rel"]
+    assert exact == pytest.approx(flipped / 2) and flipped > 0

@@ -116,11 +116,13 @@ def test_star_children_topk_and_support():
 # ---- calibration of a real (tiny) pair ------------------------------------------------------------------
 def test_draft_equal_to_target_is_always_accepted_at_rank_one(run_config, tiny_models, cache):
     """q = p: the greedy star accepts q's top-1 (= p's argmax), and the Sequoia rule accepts x ~ q with
-    probability min(1, p(x)/q(x)) = 1, so p_1 = 1 at any temperature."""
+    probability min(1, p(x)/q(x)) = 1, so p_1 = 1 at any temperature (at T > 0 the exact Σ min(p, q) = Σ p:
+    1 up to float rounding)."""
     models = _same_draft(tiny_models)
     for extra in ((), ("workload.temperature=1.0", "method.verifier=sequoia")):
         prof = measure_profile(run_config(*SMALL, "method=vanilla", *extra), models, show_progress=False)
-        assert prof.acceptance_vector[1] == 1.0 and prof.extra["rank_counts"][0] == prof.n_positions > 0
+        assert prof.acceptance_vector[1] == pytest.approx(1.0, abs=1e-6) and prof.n_positions > 0
+        assert prof.extra["rank_counts"][0] == pytest.approx(prof.n_positions, rel=1e-6)
 
 
 def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, monkeypatch):
@@ -1058,7 +1060,7 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
                       draft_shape_ratios=[{"shape": n, "fed": 1} for n in shape_names(cfg)],
-                      loop_verify_wide={"33": 1.0}, draft_level_timing="drafter")
+                      loop_verify_wide={"33": 1.0}, draft_level_timing="drafter", star_estimator="exact")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
@@ -1189,7 +1191,7 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
-                      loop_verify_wide={"32": 3.0}, rank_runs=[[[0, -1]]])
+                      loop_verify_wide={"32": 3.0}, rank_runs=[[[0, -1]]], star_estimator="exact")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)
@@ -1282,6 +1284,164 @@ def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it
     law = served_law(extra["loop_accept_hist_by_prompt"], [0, 1, 2], 1, cfg.warmup, cfg.workload.num_prompts)
     tau = float(np.dot(np.arange(law.size), law))
     assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
+
+
+# ---- exact star acceptance at T > 0 (issue 17): the flips integrated out ---------------------------------
+def _flipped_ranks(p: torch.Tensor, stars, gen: torch.Generator) -> list:
+    """The estimator star_ranks replaced: the Sequoia verifier run on each star, its coin flips drawn."""
+    from methods.core.drafter import Draft
+    from methods.core.verify import verify
+
+    out = []
+    for t, star in enumerate(stars):
+        k = int(star.children.numel())
+        tree = Tree.from_parents([-1] + [0] * k)
+        tokens = torch.cat([torch.zeros(1, dtype=torch.long), star.children])
+        res = verify(Verifier.sequoia, Draft(tree, tokens, star.q.expand(k + 1, -1)), p[t].expand(k + 1, -1),
+                     gen)
+        out.append(tree.ranks[res.accepted[1]] if len(res.accepted) > 1 else None)
+    return out
+
+
+def test_rank_law_is_the_closed_form_of_the_sequoia_star():
+    """The docstring case of test_sequoia_star_without_replacement_matches_the_closed_form, without flips:
+    children (0, 1) accept rank 0 w.p. 5/9, then rank 1 w.p. 1 (the residual and the renormalised q are
+    one-hot on 1); children (1, 0): rank 0 w.p. min(1, .5/.1) = 1."""
+    from methods.core.verify import rank_law
+
+    p, q = torch.tensor([0.5, 0.5]), torch.tensor([0.9, 0.1])
+    assert rank_law(Verifier.sequoia, p, q, torch.tensor([0, 1])).tolist() == pytest.approx([5 / 9, 4 / 9])
+    assert rank_law(Verifier.sequoia, p, q, torch.tensor([1, 0])).tolist() == pytest.approx([1.0, 0.0])
+    # one-hot drafts: p(x_0), then p(x_1) renormalised without x_0
+    det = rank_law(Verifier.deterministic, torch.tensor([0.5, 0.3, 0.2]), None, torch.tensor([1, 2]))
+    assert det.tolist() == pytest.approx([0.3, 0.7 * 0.2 / 0.7])
+
+
+def test_exact_star_acceptance_is_unbiased_with_less_variance_than_the_flips():
+    """Random p and q over 6 tokens, stars of 2 children drawn from q without replacement: over 120 seeds the
+    positional vector of star_ranks (the flips integrated out, rank 0 also the first draw: Σ min(p, q)) has
+    the flipped verifier's mean at every rank, within 4 of the flipped estimator's standard errors of the
+    mean, and rank 0 equals the closed form's average; its variance over seeds is below the flips' at every
+    rank, and below half of it for none accepted."""
+    n, width, seeds = 40, 2, 120
+    law_gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, 6, generator=law_gen).mul(1.5).softmax(-1)
+    q_logits = torch.randn(n, 6, generator=law_gen).mul(1.5)
+    rule, sampling = StarRule(True, Verifier.sequoia), SamplingParams(temperature=1.0)
+    exact, flipped = [], []
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        stars = star_children(q_logits, width, rule, sampling, gen)
+        exact.append(rank_vector(star_ranks(p, torch.zeros(n, dtype=torch.long), stars, rule, gen), width))
+        flipped.append(rank_vector(_flipped_ranks(p, stars, gen), width))
+    exact, flipped = np.array(exact)[:, 1:], np.array(flipped)[:, 1:]  # (seeds, W + 1): ranks, none
+    se = flipped.std(0, ddof=1) / np.sqrt(seeds)
+    assert np.all(np.abs(exact.mean(0) - flipped.mean(0)) <= 4 * se)
+    closed = torch.minimum(p, q_logits.softmax(-1)).sum(-1).mean().item()
+    assert exact[:, 0] == pytest.approx(closed, abs=1e-6)  # rank 0: no randomness left at all
+    var, flips = exact.var(0, ddof=1), flipped.var(0, ddof=1)
+    assert np.all(var < flips) and var[-1] < 0.5 * flips[-1]  # rank 1 keeps its draw (0.0016 vs 0.0026)
+
+
+def test_a_sampled_profile_records_the_exact_estimator_and_an_older_one_is_measured_again(
+        run_config, tiny_models, cache):
+    """T > 0: the star acceptance is the exact law (the profile's mark, and how much of a flipped estimator's
+    per-position variance it keeps, in [0, 1]); a profile without the mark is measured again, at T = 0 not."""
+    cfg = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=sequoia")
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    assert prof.extra["star_estimator"] == "exact"
+    exact = prof.extra["star_exact"]
+    assert exact["positions"] == prof.n_positions and 0.0 <= exact["variance_ratio"] <= 1.0
+    assert remeasure_reason(prof, cfg) == ""
+    old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "star_estimator"})
+    assert "coin flips" in remeasure_reason(old, cfg)
+    greedy = measure_profile(run_config(*SMALL, "method=vanilla"), tiny_models, show_progress=False)
+    assert "star_exact" not in greedy.extra
+    no_mark = dataclasses.replace(greedy, extra={k: v for k, v in greedy.extra.items()
+                                                 if k != "star_estimator"})
+    assert remeasure_reason(no_mark, run_config(*SMALL, "method=vanilla")) == ""
+
+
+def test_the_prediction_carries_the_exact_stars_variance_share_only_where_tau_comes_from_them(run_config):
+    """tree_predictions hands the star_exact variance share on (predicted_tau_star_variance_ratio) where τ is
+    the star vectors' (a sampled chain), not where the greedy loop is replayed instead (T = 0)."""
+    from methods.measurement.profiles import tree_predictions
+
+    prof = _profile()
+    prof.extra.update(star_exact={"positions": 100, "rank0_rate": 0.6, "variance_ratio": 0.3})
+    sampled = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain", "tree=chain")
+    here, preset = tree_predictions(sampled, prof, Tree.chain(4))
+    assert here["predicted_tau_star_variance_ratio"] == preset["predicted_tau_star_variance_ratio"] == 0.3
+    greedy = run_config("method=vanilla", "tree=chain")
+    replayed = dataclasses.replace(prof, extra={**prof.extra, "rank_runs": [[[0, 0, -1, 0, 0, 0]]]})
+    assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, replayed, Tree.chain(4))[0]
+
+
+def test_the_exact_estimators_variance_share_is_that_of_the_rank_zero_rate():
+    """p_1 at .2 on half the positions and .8 on the others, alternating: a flipped indicator's variance is
+    .5 · .5, the exact law's the positions' spread (.09 · n/(n−1)): a share of .36; greedy ranks record
+    nothing."""
+    from methods.measurement.calibrate import _exact_extra
+
+    got = _exact_extra([(0.2, 0.5), (0.8, 0.1)] * 50)["star_exact"]
+    assert got["rank0_rate"] == pytest.approx(0.5) and got["positions"] == 100
+    assert got["variance_ratio"] == pytest.approx(0.09 * 100 / 99 / 0.25)
+    assert _exact_extra([0, None, 1, 0]) == {}
+    # the same positions as two prompts, one all .2 and one all .8: the prompts' spread (.09 of the mean's
+    # variance) dominates both estimators, the flips add .16 · 100 / 100²: the exact one keeps 98%
+    by_prompt = _exact_extra([(0.2,)] * 50 + [(0.8,)] * 50, [50, 50])["star_exact"]
+    assert by_prompt["variance_ratio"] == pytest.approx(0.09 / (0.09 + 0.0016))
+
+
+def test_one_hot_drafts_at_t1_record_the_trajectorys_ranks_and_the_loop_is_replayed(run_config, tiny_models,
+                                                                                     cache):
+    """T > 0 with one-hot drafts (verifier=deterministic): the verifier accepts child x_j with probability
+    p(x_j) (its rank law is p at the children), so the loop is the walk along a trajectory sampled from p:
+    the profile records, per root, the rank of the trajectory's token among the drafter's top-W, and τ of a
+    tree is that walk replayed (profiles.replayed_law); Sequoia's sampled stars record none."""
+    from methods.core.verify import rank_law
+    from methods.measurement.calibrate import trajectory_ranks
+    from methods.measurement.profiles import replayed_law
+
+    p = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    assert rank_law(Verifier.deterministic, p, None, torch.tensor([2, 0, 3])).tolist() == pytest.approx(
+        [0.3, 0.1, 0.2])
+    stars = [Star(torch.tensor([5, 7, 2]), None), Star(torch.tensor([1]), None)]
+    assert trajectory_ranks(stars, torch.tensor([2, 3])) == [2, -1]
+    cfg = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=deterministic")
+    prof = measure_profile(cfg, tiny_models, show_progress=False)
+    runs = prof.extra["rank_runs"]
+    assert len(runs) == 2 and all(len(r) == 1 and len(r[0]) == 8 for r in runs)  # 2 prompts × 8 roots
+    assert all(-1 <= r < prof.width for p_ in runs for r in p_[0])
+    assert remeasure_reason(prof, cfg) == ""
+    assert replayed_law(cfg, prof, Tree.chain(3)) is not None
+    sampled = run_config(*SMALL, "method=vanilla", "workload.temperature=1.0", "method.verifier=sequoia")
+    assert replayed_law(sampled, prof, Tree.chain(3)) is None  # its loop draws children: no walk
+    assert "rank_runs" not in measure_profile(sampled, tiny_models, show_progress=False).extra
+
+
+def test_specinfer_stars_draw_with_replacement_as_its_drafters_do(run_config):
+    """SpecInfer's drafters draw a node's children i.i.d.: V = 2, p = (.5, .5), q = (.9, .1), W = 2. Rank 0
+    is Σ min(p, q) = .6; after rejecting token 0 the residual is one-hot on 1 and the second draw is 0 again
+    w.p. .9 (accepted w.p. 0) or 1 (accepted): P(rank 1) = .9 · 4/9 · .1 = .04, none .36 — where Sequoia's
+    stars (without replacement) read .4 and 0. The rule is in the profile key (its name)."""
+    from methods.measurement.profiles import key_document, star_rule
+
+    spec = run_config("method=vanilla", "workload.temperature=1", "method.verifier=specinfer")
+    assert star_rule(spec) == StarRule(True, Verifier.specinfer)
+    assert star_rule(spec).draw_mode == "with_replacement"
+    seq = run_config("method=vanilla", "workload.temperature=1", "method.verifier=sequoia")
+    assert star_rule(seq).draw_mode == "without_replacement"
+    assert key_document(spec)["star"] != key_document(seq)["star"]
+    n, gen = 4000, torch.Generator().manual_seed(0)
+    q_logits = torch.tensor([0.9, 0.1]).log().expand(n, 2)
+    rule = star_rule(spec)
+    stars = star_children(q_logits, 2, rule, SamplingParams(temperature=1.0), gen)
+    assert any(int(s.children[0]) == int(s.children[1]) for s in stars)  # repeats happen
+    p = torch.tensor([0.5, 0.5]).expand(n, 2)
+    v = rank_vector(star_ranks(p, torch.zeros(n, dtype=torch.long), stars, rule, gen), 2)
+    assert v[1] == pytest.approx(0.6) and v[2] == pytest.approx(0.04, abs=0.01) and v[3] == pytest.approx(
+        0.36, abs=0.01)
 
 
 CUDA_PRESETS = ("vanilla", "prompt_lookup", "staged", "lookahead", "layerskip")  # no zoo-only preset

@@ -56,6 +56,8 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     forward = prof.extra["loop_verify_forward_tokens"]
     assert forward == max(1, min(5, round(1 + prof.extra["loop_mean_draft_length"])))
     assert forward in prof.t_n and missing_self_draft(prof, cfg) == ""
+    whole = SimpleNamespace(extra={k: v for k, v in prof.extra.items() if k != "self_draft_law"})
+    assert "whole sequence" in missing_self_draft(whole, cfg)  # q of the former law: measured again
     longest = SimpleNamespace(extra={**prof.extra, "loop_verify_forward_tokens": 5,
                                      "loop_mean_draft_length": 1.2})
     assert "longest draft" in missing_self_draft(longest, cfg)  # profiles made before: measured again
@@ -102,3 +104,30 @@ def test_prediction_at_the_runs_own_costs():
     # an adaptive draft length: the run's cost per draft forward at the predicted forwards per step
     m.update(draft_forwards_per_step=3.0, predicted_draft_forwards_per_step=2.0)
     assert at_run_costs(m) == pytest.approx(2.5 * t_ar / (draft * 2 / 3 + verify))
+
+
+def test_the_self_draft_law_is_the_loops_draft_over_the_full_prefix_kv(run_config, tiny_models):
+    """Draft & Verify's first draft in the loop runs the root through its sub-layers over the target's full
+    KV of the prefix; the calibration's law at every root is that q (a sub-layer forward over the whole
+    sequence is not: its later kept layers would read a prefix KV the skipped layers never fed)."""
+    import torch
+    from tqdm import tqdm
+
+    from methods.core.engine import ModelEngine
+    from methods.measurement.calibrate import _self_draft_law, _setup
+
+    cfg = run_config(*SMALL, "method=draft_verify", "method.params.skip=config", "method.params.skip_mlp=[0]",
+                     "method.params.gamma=4", "tree=chain", "tree.gamma=4")
+    run = _setup(cfg, tiny_models, tqdm(disable=True))
+    seq = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(3))
+    roots = torch.arange(5, 11)
+    law = _self_draft_law(run, seq, None, roots)
+    engine, sub = ModelEngine(run.target.model), run.drafter.sub
+    for i, r in enumerate(roots.tolist()):
+        engine.reset()
+        engine.prefill(seq[:r])
+        loop = engine.extend(seq[r : r + 1], [-1], sub=sub).logits[-1]
+        assert torch.allclose(law[i], loop, atol=1e-4), r
+    engine.reset()
+    whole = engine.extend(seq, list(range(-1, seq.numel() - 1)), sub=sub).logits[roots]
+    assert not torch.allclose(whole, law, atol=1e-3)  # the former law: a different q
