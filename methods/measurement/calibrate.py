@@ -574,9 +574,12 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
             out[(QSHAPE, name)] = r.time_draft_s / max(r.n_target_forwards, 1)
         return out
 
-    def widened() -> dict:  # the loop's verification per step on the wide tree, on the round's prompt
+    def widened() -> dict:  # the loop's verification per step on the wide tree, on the round's prompt, and
+        # (a drafter timed on the shapes) its draft there: the shape wide levels are priced from
         r = decode(run.target, wide, next_prompt("wide"), _spec_opts(run), run.generator)
-        return {(VLOOP, wide.tree.size): r.time_verify_s / max(r.n_target_forwards, 1)}
+        steps = max(r.n_target_forwards, 1)
+        drafted = {(QSHAPE, WIDE_SHAPE): r.time_draft_s / steps} if shapes else {}
+        return {(VLOOP, wide.tree.size): r.time_verify_s / steps, **drafted}
 
     shared = {"on": True}
     checks = _verify_inputs(run, timed)
@@ -614,6 +617,14 @@ DRAFT_SHAPES = {"chain1": Tree.chain(1), "star8": Tree.kary(8, 1),
                 "fan4": Tree.from_paths([[0], [1], [2], [3], [0, 0], [1, 0], [2, 0], [3, 0]]),
                 "fan2": Tree.from_paths([[0], [1], [0, 0], [1, 0]])}
 LOOP_SHAPE = "loop"
+# the drafter's loop on the wide tree (:func:`wide_tree`, levels fed 1, 2, 4, 8, 1: 31 nodes), decoded in
+# every round for the loop's verification (:func:`wide_drafter`), is a shape of the draft's fit too: the trees
+# priced are 26-64 nodes with up to 5 levels fed 3-8, and the shapes above span 1-8 nodes and one level fed
+# 2 or 4, so the terms were extrapolated from them. Where the tree path costs the loop a constant beyond its
+# chain (EAGLE's chains take a faster path), the star and the fans read it as a cost per node (0.008 t(1)) and
+# per fed node, which 31 nodes multiplied: EAGLE-1's Sequoia-32 trees read their draft 22-57% high, 2.5-3.8
+# t(1) priced where the loop drafted 2.0-2.4 (T = 0, quiet sweep zoo8); with the wide tree in the fit, 5-6%
+WIDE_SHAPE = "wide"
 
 
 def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
@@ -1196,7 +1207,7 @@ def _exact_extra(ranks: Sequence[Rank], sizes: Sequence[int] = ()) -> dict[str, 
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
-    trees = {LOOP_SHAPE: shape_tree(run), **DRAFT_SHAPES}
+    trees = {LOOP_SHAPE: shape_tree(run), **DRAFT_SHAPES, WIDE_SHAPE: wide_tree()}
     fed = DraftCost(fed_width=True).widths  # the nodes fed to the drafter per level
     shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1,
                "fed": fed(trees[name]), "ratio": r}
@@ -1364,6 +1375,9 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "the loop's draft not timed on every tree shape (an older calibration)"
     if times_wide_loop(kind, cfg, depth_tree(cfg)) and not profile.extra.get("loop_verify_wide"):
         return "the loop's verification not timed on a wide tree (an older calibration)"
+    if (times_draft_shapes(kind, cfg, depth_tree(cfg)) and times_wide_loop(kind, cfg, depth_tree(cfg))
+            and WIDE_SHAPE not in timed):
+        return "the loop's draft not timed on the wide tree (an older calibration)"
     if records_rank_runs(cfg) and not profile.extra.get("rank_runs"):
         return "no accepted rank per root to replay the greedy loop on (an older calibration)"
     if flips_stars(cfg) and profile.extra.get("star_estimator") != STAR_ESTIMATOR:

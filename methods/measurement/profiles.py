@@ -473,7 +473,10 @@ def draft_terms(profile: Profile) -> tuple[float, float, float, float, float] | 
     """The loop's draft per speculation step as F + a · Σ_levels g(w) + b · nodes + e · wide levels + c · Σ
     over the wide levels of (w − 1), in t(1): (F, a, b, e, c), the non-negative least squares over the shapes
     the calibration timed the drafter's loop on (its chain of D, a chain of 1, a star of 8, fans of 2 and
-    of 4: five shapes, five terms). g(w) is the timed level's growth with the nodes it is fed
+    of 4, and the 31-node wide tree its verification is timed on: six shapes, five terms; older profiles
+    without the wide tree, five). The wide tree spans the trees priced (26-64 nodes, several levels fed
+    3-8): fitted on the small shapes alone, the terms were extrapolated, and EAGLE-1's Sequoia-32 trees read
+    their draft 22-57% high (calibrate.WIDE_SHAPE). g(w) is the timed level's growth with the nodes it is fed
     (``draft_level_ratios``, r(w) / r(1)), nodes are drafted below the root, and a wide level is one fed
     more than one node: its draft forward runs with a tree mask, which the back-to-back level timing does
     not show (the draft model's r(2) / r(1) read 0.94) and which cost the zoo's Sequoia trees 0.05-0.09 t(1)

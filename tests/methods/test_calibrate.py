@@ -21,6 +21,7 @@ from methods.core.sampling import SamplingParams
 from methods.drafters.registry import drafter_class
 from methods.measurement.calibrate import (
     WIDE_NODES,
+    WIDE_SHAPE,
     Star,
     StarRule,
     calibrate,
@@ -34,6 +35,7 @@ from methods.measurement.calibrate import (
     star_children,
     star_ranks,
     times_wide_loop,
+    wide_tree,
 )
 from methods.measurement.profiles import (
     Profile,
@@ -57,6 +59,7 @@ from methods.measurement.profiles import (
 )
 from methods.models import Models
 from specsim.config import Verifier
+from specsim.cost import DraftCost
 from specsim.io import read_json
 from specsim.tree import Tree
 
@@ -144,7 +147,8 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     assert sorted(prof.t_n) == sorted({*BUDGETS, loop_tree, WIDE_NODES})
     assert all(t > 0 for t in prof.t_n.values())
     assert prof.draft_time_s > 0 and prof.t_ar_s > 0 and 0 < prof.n_positions <= 2 * 8
-    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4", "fan2")}  # the loop per shape
+    # the loop per shape (the wide tree's: its draft in the rounds that time its verification)
+    shapes = {f"qshape({s})/t1" for s in ("loop", "chain1", "star8", "fan4", "fan2", WIDE_SHAPE)}
     assert set(prof.timing_dispersion) == {"t1", "draft/t1", "verify/t1", *(f"t({n})/t1" for n in prof.t_n),
                                            *shapes, f"vloop({WIDE_NODES})/t1"}
     assert prof.extra["timing_rounds"] == 2 and len(prof.extra["timing_attempts"]) >= 1
@@ -685,7 +689,8 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     assert len(prof.acceptance_vectors_by_depth) == 3
     assert prof.acceptance_vectors_by_depth[0] == prof.acceptance_vector
     shapes = {s["shape"]: (s["levels"], s["nodes"]) for s in prof.extra["draft_shape_ratios"]}
-    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8), "fan2": (2, 4)}
+    assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8), "fan2": (2, 4),
+                      WIDE_SHAPE: (5, 31)}  # the wide tree the loop's verification is timed on, its draft too
     assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
     # the loop's verification on a wide tree, and that tree's forward, in the same rounds
     assert set(prof.extra["loop_verify_wide"]) == {str(WIDE_NODES)} and WIDE_NODES in prof.t_n_ratios
@@ -1084,10 +1089,12 @@ def _grown(fed: list[int]) -> float:
 def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True,
                     per_fed: float = 0.0) -> Profile:
     """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node + c ·
-    their fed nodes beyond the first (t(1)) on its chain of 4, a chain of 1 and (``trees``) a star of 8 and
-    fans of 2 and of 4; its draft ratio per level is the chain's / 4, as calibrated."""
-    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)] + ([("star8", [1], 8), ("fan4", [1, 4], 8),
-                                                            ("fan2", [1, 2], 4)] if trees else [])
+    their fed nodes beyond the first (t(1)) on its chain of 4, a chain of 1 and (``trees``) a star of 8,
+    fans of 2 and of 4 and the wide tree; its draft ratio per level is the chain's / 4, as calibrated."""
+    shapes = [("loop", [1] * 4, 4), ("chain1", [1], 1)]
+    if trees:
+        shapes += [("star8", [1], 8), ("fan4", [1, 4], 8), ("fan2", [1, 2], 4),
+                   (WIDE_SHAPE, [1, 2, 4, 8, 1], 31)]
     prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
     drafted = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
                 "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)
@@ -1182,9 +1189,45 @@ def test_a_wide_level_pays_per_fed_node_where_the_fans_tell_it(run_config):
     three = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [2, 0]])  # fed 1, then 3 nodes
     priced = tree_predictions(cfg, prof, three)[0]["t_draft_s"]
     assert priced == pytest.approx((0.4 + 0.2 * _grown([1, 3]) + 0.02 * 6 + 0.06 + 0.1 * 2) * t1)
-    older = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]
+    older = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] not in ("fan2", WIDE_SHAPE)]
     terms = draft_terms(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": older}))
     assert terms[4] == 0.0 and terms[3] == pytest.approx(0.06 + 3 * 0.1)
+
+
+def test_the_wide_tree_pins_the_drafts_terms_where_the_small_shapes_extrapolate(run_config):
+    """EAGLE's chains take a faster path than its trees: its loop pays a constant k per step on any tree
+    beyond its chain's, nothing per node. The chain of 1, the star of 8 and the fans (1-8 nodes, one level
+    fed 2 or 4) tell k from a cost per node by the star alone (k / 7 per node) and per fed node by the fans,
+    which a 31-node tree multiplies: EAGLE-1's Sequoia-32 trees read their draft 22-57% high (quiet sweep
+    zoo8, T = 0). The loop's draft on the wide tree its verification is timed on (31 nodes, levels fed 1, 2,
+    4, 8, 1) is a sixth shape of the fit: the wide tree and EAGLE-1's Sequoia-32 tree are priced within 1% of
+    their draft, where five shapes price them 7% high (on the sweep, with the fans' timing noise, more)."""
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    fixed, level, k, wide = 0.2, 0.28, 0.06, 0.1
+
+    def drafted(fed: list[int], tree: bool) -> float:  # the loop's draft per step, in t(1)
+        return fixed + level * _grown(fed) + (k if tree else 0.0) + wide * sum(w > 1 for w in fed)
+
+    shapes = [("loop", [1] * 4, 4, False), ("chain1", [1], 1, False), ("star8", [1], 8, True),
+              ("fan4", [1, 4], 8, True), ("fan2", [1, 2], 4, True), (WIDE_SHAPE, [1, 2, 4, 8, 1], 31, True)]
+    timed = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed, "ratio": drafted(fed, tree)}
+             for s, fed, n, tree in shapes]
+    prof = dataclasses.replace(_profile(), draft_ratio=drafted([1] * 4, False) / 4)
+    prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
+                      draft_shape_ratios=timed)
+    small = dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": timed[:-1]})
+    # levels fed 1, 3, 4, 4, 5, 6: EAGLE-1's Sequoia-32 tree on code at T = 0
+    sequoia32 = Tree.from_parents([-1, 0, 0, 0, 1, 1, 1, 2, 3, 4, 4, 5, 7, 8, 9, 9, 10, 11, 12, 14, 14, 15,
+                                   16, 17, 18, 19, 19, 20, 21, 22, 23, 24])
+    fed = DraftCost(fed_width=True).widths
+    assert fed(sequoia32) == [1, 3, 4, 4, 5, 6] and fed(wide_tree()) == [1, 2, 4, 8, 1]
+    for tree in (wide_tree(), sequoia32):
+        truth = drafted(fed(tree), True) * prof.t_ar_s
+        assert tree_predictions(cfg, prof, tree)[0]["t_draft_s"] == pytest.approx(truth, rel=0.02)
+        assert tree_predictions(cfg, small, tree)[0]["t_draft_s"] > 1.05 * truth  # five shapes: +7%
+    # the loop's own chain stays near its timed draft (a least-squares fit now: six shapes, five terms)
+    chain = tree_predictions(cfg, prof, Tree.chain(4))[0]["t_draft_s"]
+    assert chain == pytest.approx(drafted([1] * 4, False) * prof.t_ar_s, rel=0.05)
 
 
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
@@ -1193,9 +1236,12 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       loop_verify_wide={"32": 3.0}, rank_runs=[[[0, -1]]], star_estimator="exact")
     assert remeasure_reason(prof, cfg) == ""
+    narrow = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != WIDE_SHAPE]  # the eighth session's
+    assert "draft not timed on the wide tree" in remeasure_reason(
+        dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": narrow}), cfg)
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "draft_shape_ratios"})
     assert "every tree shape" in remeasure_reason(old, cfg)
-    no_fan2 = [s for s in prof.extra["draft_shape_ratios"] if s["shape"] != "fan2"]  # the sixth session's
+    no_fan2 = [s for s in narrow if s["shape"] != "fan2"]  # the sixth session's
     assert "every tree shape" in remeasure_reason(
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan2}), cfg)
     no_fan = [s for s in no_fan2 if s["shape"] != "fan4"]  # the sixth session's first

@@ -234,8 +234,10 @@ def test_measure_batched(run_config, continuous):
     assert m["predicted_speedup"] > 0 and m["predicted_speedup_batch1"] > 0 and m["predicted_tau"] >= 1
     assert m["predicted_t_step_s"] > 0 and m["ar_tokens_per_s"] == pytest.approx(2 / m["predicted_t_ar_s"])
     # the run's mean step: its rows leave a static batch as they finish (continuous batching refills them)
-    assert 1 <= m["predicted_mean_rows"] <= 2 and m["predicted_t_step_s"] <= m["predicted_t_step_full_s"]
-    assert m["predicted_decode_speedup_b_rows"] <= m["predicted_decode_speedup"]
+    # (equal where every step runs B rows, up to rounding: 1e-9)
+    assert 1 <= m["predicted_mean_rows"] <= 2
+    assert m["predicted_t_step_s"] <= m["predicted_t_step_full_s"] * (1 + 1e-9)
+    assert m["predicted_decode_speedup_b_rows"] <= m["predicted_decode_speedup"] * (1 + 1e-9)
     assert m["greedy_equal_rate"] == 1.0 and m["n_tokens"] == m["baseline_n_tokens"]
     assert 0 < m["time_forward_s"] < m["time_total_s"] and 0 < m["outside_forward_fraction"] < 1
     models = load_models(cfg.model, cfg.device, cfg.model.dtype)

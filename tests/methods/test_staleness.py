@@ -38,6 +38,7 @@ def _rounds(t1: list[float], sizes, wide: int | None = None) -> list[dict]:
     if wide is not None:
         sizes = sorted({*sizes, wide})
         shapes[(VLOOP, wide)] = 1.1 * (1 + 0.05 * wide)
+        shapes[(QSHAPE, "wide")] = 0.3 + 0.2 * 5 + 0.01 * 31  # and drafts it (calibrate.wide_tree)
     return [{T_AR: a, DRAFT: 0.2 * a, VERIFY: 1.3 * a, **{n: (1 + 0.05 * n) * a for n in sizes},
              **{k: r * a for k, r in shapes.items()}} for a in t1]
 
@@ -104,7 +105,8 @@ def test_task_calibrate_reports_a_profile_it_did_not_cache(run_config, cache, mo
 
 
 SHAPES = (("loop", [1] * 4, 4, 0.8), ("chain1", [1], 1, 0.35), ("star8", [1], 8, 0.42),  # the loop's draft
-          ("fan4", [1, 4], 8, 0.6), ("fan2", [1, 2], 4, 0.5))  # per tree shape
+          ("fan4", [1, 4], 8, 0.6), ("fan2", [1, 2], 4, 0.5),  # per tree shape
+          ("wide", [1, 2, 4, 8, 1], 31, 1.61))
 
 
 def _cached(cfg, t1: float, created: str = "2024-01-01T00:00:00+00:00") -> Profile:
