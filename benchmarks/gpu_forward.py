@@ -65,6 +65,13 @@ def shape_of(model: str) -> dict[str, int]:
     return {k: int(cfg[k]) for k in SHAPE_KEYS}
 
 
+def top_level_ops(prof: Any) -> list[Any]:
+    """The profiled region's top-level aten ops (those no other aten op called): what the host dispatches,
+    the count the published rows price per op (``published.py --count-kernels``)."""
+    return [e for e in prof.events() if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+
+
 def trace_counts(prof: Any) -> dict[str, float]:
     """Kernels, their summed device time (ms) and synchronising runtime calls of one profiled region, read
     from the profiler's exported trace (its format is stabler across torch releases than its objects)."""
@@ -213,9 +220,8 @@ def forward(model_name: str, ns: list[int], context: int, reps: int, attention: 
             if cuda:
                 counts = trace_counts(prof)
             else:
-                top = [e for e in prof.events() if e.name.startswith("aten::")
-                       and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-                counts = {"kernels": len(top), "device_ms": float("nan"), "launches": len(top), "syncs": 0}
+                top = len(top_level_ops(prof))
+                counts = {"kernels": top, "device_ms": float("nan"), "launches": top, "syncs": 0}
             host_ms, wall_ms = 1e3 * statistics.median(hosts), 1e3 * statistics.median(walls)
             rows.append({"n": n, "wall_ms": wall_ms, "host_ms": host_ms, "wall_ms_min": 1e3 * min(walls),
                          "host_ms_min": 1e3 * min(hosts), **counts,

@@ -196,6 +196,8 @@ def count_kernels(layers: tuple[int, int] = (2, 8), reps: int = 40, attention: s
     from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from benchmarks.gpu_forward import top_level_ops
+
     torch.set_num_threads(1)
     ops, secs, fastest, attn_class = {}, {}, {}, ""
     for n in layers:
@@ -220,9 +222,7 @@ def count_kernels(layers: tuple[int, int] = (2, 8), reps: int = 40, attention: s
                     cache.crop(-1)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 model(token, past_key_values=cache, use_cache=True)
-        top = [e for e in prof.events() if e.name.startswith("aten::")
-               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-        ops[n], secs[n], fastest[n] = len(top), sorted(times)[len(times) // 2], min(times)
+        ops[n], secs[n], fastest[n] = len(top_level_ops(prof)), sorted(times)[len(times) // 2], min(times)
     lo, hi = layers
     per_layer = (ops[hi] - ops[lo]) / (hi - lo)
     host_per_layer = (secs[hi] - secs[lo]) / (hi - lo)
