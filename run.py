@@ -375,15 +375,21 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
 
 def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     here = m.get("predicted_speedup_this_device", m.get("predicted_speedup"))  # what this run validates
-    speedup, predicted = _fmt(m.get("speedup"), ".2f"), _fmt(here, ".2f")
-    decode = f", {_fmt(m['decode_speedup'], '.2f')}x without prefill" if "decode_speedup" in m else ""
+    # the prediction of the decode alone (the run's generation length, no prefill) goes beside decode_speedup
+    decode_here = m.get("predicted_decode_speedup_this_device", m.get("predicted_decode_speedup"))
+    speedup, decode = _fmt(m.get("speedup"), ".2f"), ""
+    predicted = f"predicted {_fmt(here, '.2f')}x"
+    if "decode_speedup" in m:
+        decode = f", {_fmt(m['decode_speedup'], '.2f')}x decode only"
+        if isinstance(decode_here, (int, float)):
+            predicted = f"predicted {decode_here:.2f}x decode only"
     engine = f" ({m['engine']}, batch {m.get('batch_size', 1)})" if "engine" in m else ""
     if not engine and m.get("batch_size", 1) > 1:  # specsim's batched loop
         engine = f" (batch {m['batch_size']}{', continuous' if m.get('continuous') else ''})"
     lines = [
         f"tau {_fmt(m.get('tau'), '.3f')} (predicted {_fmt(m.get('predicted_tau'), '.3f')})",
         f"{_fmt(m.get('tokens_per_s'), '.1f')} tokens/s vs {_fmt(m.get('baseline_tokens_per_s'), '.1f')} "
-        f"autoregressive{engine}: speedup {speedup}x{decode} (predicted {predicted}x on this device)",
+        f"autoregressive{engine}: speedup {speedup}x{decode} ({predicted} on this device)",
     ]
     if "predicted_speedup_hardware" in m:  # a drafter's measured profile: the run's hardware preset too
         lines.append(f"predicted on the {hardware} preset's roofline: "

@@ -144,6 +144,19 @@ def test_measure_writes_metrics_and_samples(run_module, run_config, tmp_path, mo
     assert any("speedup 1.50x" in line for line in result.summary)
 
 
+def test_the_summary_sets_each_speedup_beside_its_own_prediction(run_module):
+    """The decode-only speedup (no prefill) is compared with the prediction of the decode alone, not with the
+    steady-state one (the default run once printed 1.32x decode-only beside a steady 1.47x: 1.43x is its
+    prediction)."""
+    m = {"tau": 2.8, "predicted_tau": 2.9, "tokens_per_s": 900.0, "baseline_tokens_per_s": 700.0,
+         "speedup": 1.26, "decode_speedup": 1.32, "predicted_speedup_this_device": 1.47,
+         "predicted_decode_speedup_this_device": 1.43}
+    line = run_module._measure_lines(m, "cpu")[1]
+    assert "1.32x decode only (predicted 1.43x decode only on this device)" in line and "1.47" not in line
+    no_decode = {k: v for k, v in m.items() if "decode" not in k}  # an engine run without the split
+    assert "speedup 1.26x (predicted 1.47x on this device)" in run_module._measure_lines(no_decode, "cpu")[1]
+
+
 def test_results_never_overwrite_identity(run_module, run_config):
     cfg = run_config("task=simulate", "method=medusa")
     results = {"method": "something else", "predicted_tau": 2.0}
