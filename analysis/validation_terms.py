@@ -2,7 +2,8 @@
 
 p = target, q = draft. The simulator predicts the decode speedup of a generation of N = max_new_tokens
 tokens, S = τ_N · t(1) / t_step, with τ_N = N / E[forwards] (τ, cut at N: specsim.expected) and t_step =
-t_draft + t_verify (t_verify = t(n) + the loop's verification overhead). A measure run
+t_draft + t_verify (t_verify = t(n) + the loop's verification overhead), each the mean over the generation's
+steps, its cut last ones included (specsim.run_steps; older runs: the full step). A measure run
 (methods.measurement.measure) times the same parts of its loop, so its decode speedup (prefill left out)
 factors alike:
 
@@ -129,6 +130,8 @@ def predicted_parts(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=df.index)
     for part in ("t_ar", "t_draft", "t_verify", "t_step"):
         out[f"{part}_pred"] = _num(df, f"predicted_{part}_s{PRED}")
+    for part in ("t_draft", "t_verify"):  # the mean of the generation's steps, as the run's are (older: full)
+        out[f"{part}_pred"] = _num(df, f"predicted_{part}_run_s{PRED}").fillna(out[f"{part}_pred"])
     fb = _num(df, "baseline_n_target_forwards")
     t1_meas = (_num(df, "baseline_time_s") - _num(df, "baseline_time_prefill_s")) / fb
     for part in ("t_draft", "t_verify"):

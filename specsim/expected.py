@@ -101,6 +101,22 @@ def forwards_law(law: np.ndarray, n_tokens: int) -> np.ndarray:
     return pmf
 
 
+def room_visits(law: np.ndarray, n_tokens: int) -> np.ndarray:
+    """(n_tokens + 1,) expected steps of a generation of ``n_tokens`` that start with r tokens left
+    (r = 0 … n_tokens; entry 0 is 0), steps emitting k tokens with ``law[k]`` independently, the last one cut
+    at the budget: u(N) = 1, u(r) = Σ_k law[k] · u(r + k) (a step started at r + k that emits k < r + k
+    leaves r). Σ_r u(r) = :func:`forwards_to_generate`: the rooms the run's steps see, the cut last ones
+    (r below the tree's depth) among them."""
+    law = np.asarray(law, dtype=float)
+    assert n_tokens >= 1 and law.ndim == 1 and law.size >= 2, (n_tokens, law.shape)
+    u = np.zeros(n_tokens + 1)
+    u[n_tokens] = 1.0
+    for r in range(n_tokens - 1, 0, -1):
+        k = np.arange(1, min(law.size, n_tokens - r + 1))
+        u[r] = float((law[k] * u[r + k]).sum())
+    return u
+
+
 def batch_forwards(law: np.ndarray, n_tokens: int, batch: int) -> float:
     """E[max over ``batch`` rows of their forwards] to emit ``n_tokens`` each: a static batch steps until its
     slowest row is done (rows decoded alone need :func:`forwards_to_generate`; batch = 1 is that)."""

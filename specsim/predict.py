@@ -14,6 +14,7 @@ from specsim.acceptance import from_config
 from specsim.config import RunConfig, TreeKind, flat
 from specsim.cost import CostModel, TargetCost
 from specsim.expected import accepted_length_law, expected_tokens, tokens_per_forward
+from specsim.run_steps import room_spare, run_shares
 from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
@@ -39,6 +40,9 @@ class Prediction:
     # of the decode (prefill left out) that a measure run's decode_speedup is (specsim.expected)
     tokens_per_forward: float
     predicted_decode_speedup: float
+    # ... whose step is the mean of its steps', the generation's cut last ones included (specsim.run_steps)
+    t_draft_run_s: float
+    t_verify_run_s: float
     acceptance_vector: tuple[float, ...]  # the Sequoia vector the tree was optimised for, () if none
     tree_parents: tuple[int, ...]
     tree_ranks: tuple[int, ...]
@@ -82,6 +86,8 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
     law = accepted_length_law(tree, model)
     per_forward = tokens_per_forward(law, cfg.workload.max_new_tokens)
     t_verify, t_draft = cost.tree_verify_time(tree), cost.draft_time(tree)
+    shares = run_shares(cost, tree, law, cfg.workload.max_new_tokens, room_spare(cfg.method.drafter))
+    run_draft, run_verify = t_draft * shares.draft, t_verify * shares.verify
     return Prediction(
         predicted_tau=tau,
         predicted_speedup=tau * cost.ar_time / (t_verify + t_draft),
@@ -97,7 +103,9 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
         cost_source=cost.target.source,
         tau_law=tuple(float(x) for x in law),
         tokens_per_forward=per_forward,
-        predicted_decode_speedup=per_forward * cost.ar_time / (t_verify + t_draft),
+        predicted_decode_speedup=per_forward * cost.ar_time / (run_verify + run_draft),
+        t_draft_run_s=run_draft,
+        t_verify_run_s=run_verify,
         acceptance_vector=vector,
         tree_parents=tree.parents,
         tree_ranks=tree.ranks,

@@ -24,16 +24,18 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
+from methods.measurement.draft_shapes import DRAFT_SHAPES, LOOP_SHAPE, WIDE_SHAPE, wide_tree
 from specsim.acceptance import PositionalAcceptance, from_config
 from specsim.adaptive_exit import ConfidenceTable, ExitRule, RunPrediction, replay_path, threshold_path
 from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Verifier
 from specsim.cost import CostModel, DraftCost, MeasuredCost
-from specsim.expected import tokens_per_forward
+from specsim.expected import accepted_length_law, tokens_per_forward
 from specsim.io import atomic_write_json, read_json
 from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.replay import RankRuns, loop_law
+from specsim.run_steps import RunShares, cut, room_mean, room_spare, run_shares
 from specsim.tree import Tree
 from specsim.trees import build_tree, recorded_law
 
@@ -497,8 +499,9 @@ def draft_terms(profile: Profile) -> tuple[float, float, float, float, float] | 
     rows = []
     for s in shapes:
         fed = [int(w) for w in s.get("fed") or [1] * int(s["levels"])]
-        rows.append([1.0, float(np.sum(growth.time(np.asarray(fed)))), float(s["nodes"]),
-                     float(sum(w > 1 for w in fed)), float(sum(w - 1 for w in fed if w > 1))])
+        tree = _shape_tree(s, fed)
+        rows.append(_fit_row(fed, int(s["nodes"]), growth) if tree is None else
+                    _loop_fit_row(profile, tree, growth))
     a = np.array(rows)
     told = [0, 1]
     for k in (2, 3, 4):  # each further term where the timed shapes tell it apart from those before
@@ -507,6 +510,43 @@ def draft_terms(profile: Profile) -> tuple[float, float, float, float, float] | 
     x = np.zeros(5)
     x[told] = nnls(a[:, told], np.array([float(s["ratio"]) for s in shapes]))[0]
     return float(x[0]), float(x[1]), float(x[2]), float(x[3]), float(x[4])
+
+
+def _fit_row(fed: list[int], nodes: int, growth: MeasuredCost) -> list[float]:
+    """The draft fit's regressors (draft_terms) of a step drafting levels fed ``fed``, ``nodes`` nodes."""
+    if not fed:
+        return [0.0] * 5  # nothing drafted: the step pays none of the draft's terms
+    return [1.0, float(np.sum(growth.time(np.asarray(fed)))), float(nodes), float(sum(w > 1 for w in fed)),
+            float(sum(w - 1 for w in fed if w > 1))]
+
+
+def _shape_tree(shape: dict[str, Any], fed: list[int]) -> Tree | None:
+    """The tree a timed shape's loop drafted (draft_shapes), or None where the record does not name one."""
+    name, levels = shape.get("shape"), int(shape["levels"])
+    tree = (DRAFT_SHAPES.get(name) or (Tree.chain(levels) if name == LOOP_SHAPE else None)
+            or (wide_tree(int(shape["nodes"]) + 1) if name == WIDE_SHAPE else None))
+    widths = DraftCost(fed_width=True).widths(tree) if tree is not None else None
+    return tree if widths == fed and tree.size - 1 == int(shape["nodes"]) else None
+
+
+def _loop_fit_row(profile: Profile, tree: Tree, growth: MeasuredCost) -> list[float]:
+    """The fit's regressors of the calibration's loop on ``tree`` as timed: the mean over its steps of a
+    generation of the calibration's new_tokens, the cut last ones included (specsim.run_steps), rooms from
+    the profile's vector on ``tree``. The loop's draft per step is such a mean: fitted as full steps, the
+    terms read the cut steps' savings as a cheaper step (the 31-node wide tree: 15% of its calibration steps
+    cut at 32 tokens), and a run's trees deeper than the calibration's chain were priced on them."""
+    n_cal = int((profile.extra.get("split_sizes") or {}).get("new_tokens") or UNRECORDED_NEW_TOKENS)
+    law = accepted_length_law(tree, PositionalAcceptance(tuple(profile.acceptance_vector)))
+    drafts = DraftCost(fed_width=True)
+
+    def row(d: int) -> list[float]:
+        kept = cut(tree, d)
+        return _fit_row(drafts.widths(kept), kept.size - 1, growth)
+
+    return [float(x) for x in room_mean(law, n_cal, tree.depth, room_spare(profile.drafter), row)]
+
+
+UNRECORDED_NEW_TOKENS = 32  # calibration.new_tokens of profiles that did not record their split (calibrate)
 
 
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
@@ -579,6 +619,8 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", 
     if forward and m.verify_extra_tokens:  # Lookahead: the forward the loop measured, not the full-pool bound
         m.verify_extra_tokens = max(0, int(forward) - int(profile.extra["loop_tree_size"]))
     terms = draft_terms(profile) if m.draft_steps == "depth" else None
+    if terms is None:  # the loop's draft per step, timed over its generation's cut steps too: the full step's
+        ratio /= calibration_cut_share(profile, one_pass=m.draft_steps != "depth")
     if terms is not None:  # the loop's constant per step and cost per node, and its level beyond them
         m.draft_fixed_ratio, m.draft_cost_ratio, m.draft_node_ratio = terms[:3]  # e, c: in draft_levels
     elif m.draft_steps == "depth":
@@ -589,6 +631,24 @@ def apply_profile(cfg: RunConfig, profile: Profile, acceptance: str = "vector", 
     if shared:  # self-speculation's shared cache: the timed saving replaces ρ_v = E / L
         m.verify_reuse_ratio, m.verify_saving_ratio = 0.0, min(0.99, max(0.0, float(shared["saving_ratio"])))
     return out
+
+
+def calibration_cut_share(profile: Profile, one_pass: bool) -> float:
+    """The calibration loop's draft per step (its draft seconds over its steps, per level: draft_time_s) over
+    a full step's, for a drafter priced per level or per pass (no shapes timed, :func:`draft_terms` None):
+    the loop decoded generations of the calibration's new_tokens, whose last steps drafted what their room let
+    (specsim.run_steps), so its mean step is below the full step by their share (the loop's chain of 4 at
+    32 tokens: ~12% of its steps cut). Rooms from the loop's own histogram of accepted drafts. 1.0 for a
+    drafter whose draft forwards were counted (an adaptive exit: draft_time_s is per forward) or without a
+    loop."""
+    extra = profile.extra
+    depth, hist = int(extra.get("loop_tree_depth") or 0), extra.get("loop_accept_hist") or []
+    if depth < 1 or extra.get("exit_confidence") or sum(hist) <= 0:
+        return 1.0
+    law = np.concatenate([[0.0], np.asarray(hist, dtype=float) / float(sum(hist))])
+    n_cal = int((extra.get("split_sizes") or {}).get("new_tokens") or UNRECORDED_NEW_TOKENS)
+    cost = CostModel(MeasuredCost((1,), (1.0,)), DraftCost(ratio=1.0, one_pass=one_pass))
+    return run_shares(cost, Tree.chain(depth), law, n_cal, room_spare(profile.drafter)).draft
 
 
 def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPrediction | None:
@@ -619,7 +679,7 @@ def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel, n_t
     # run's cut: the chain's τ law (7.3 tokens per forward for a chain of 8) read a decode speedup 15% above
     # the steady one where the cut can only lower it
     return {**base, "predicted_tau": run.tau, "predicted_speedup": run.speedup(cost), "t_step_s": step,
-            "t_draft_s": draft, "t_verify_s": step - draft,
+            "t_draft_s": draft, "t_verify_s": step - draft, "tau_law": tuple(run.tau_law),
             "tokens_per_forward": run.tokens_per_forward(n_tokens),
             "predicted_decode_speedup": run.decode_speedup(cost, n_tokens),
             "predicted_draft_forwards_per_step": run.forwards,
@@ -656,7 +716,7 @@ def drafter_vector(cfg: RunConfig, vector: tuple[float, ...]) -> list[float]:
 def _summary(p: Prediction) -> dict[str, Any]:
     keys = ("predicted_tau", "predicted_speedup", "tree_size", "tree_depth", "tree_width", "t_verify_s",
             "t_draft_s", "t_ar_s", "t_step_s", "cost_source", "tokens_per_forward",
-            "predicted_decode_speedup")
+            "predicted_decode_speedup", "t_draft_run_s", "t_verify_run_s", "tau_law")
     return {k: getattr(p, k) for k in keys}
 
 
@@ -752,7 +812,7 @@ def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[s
     """``base`` (priced on the merged budget) with τ and its finite-run cut taken from ``law``."""
     tau, step, ar = float(np.dot(np.arange(law.size), law)), base["t_step_s"], base["t_ar_s"]
     per_forward = tokens_per_forward(law, n_tokens)
-    return {**base, "predicted_tau": tau, "predicted_speedup": tau * ar / step,
+    return {**base, "predicted_tau": tau, "predicted_speedup": tau * ar / step, "tau_law": tuple(law),
             "tokens_per_forward": per_forward, "predicted_decode_speedup": per_forward * ar / step}
 
 
@@ -877,7 +937,25 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         # a flipped estimator's variance they keep scales the prediction's own standard error
         # (analysis.validation_terms.prediction_standard_error)
         here, preset = ({**d, "predicted_tau_star_variance_ratio": float(kept)} for d in (here, preset))
+    if exits is not None:  # an adaptive exit drafts fewer levels than its chain: the room cuts only the
+        # drafts longer than it, which the chain's shares over-state (not modelled: the full exit step stands)
+        return _run_steps(here, RunShares(1.0, 1.0)), _run_steps(preset, RunShares(1.0, 1.0))
+    spare = room_spare(cfg.method.drafter)
+    here = _run_steps(here, run_shares(CostModel.from_config(here_cfg, measured, draft_levels(cfg, profile)),
+                                       tree, np.asarray(here["tau_law"]), n, spare))
+    preset = _run_steps(preset, run_shares(CostModel.from_config(preset_cfg), tree,
+                                           np.asarray(preset["tau_law"]), n, spare))
     return here, preset
+
+
+def _run_steps(base: dict[str, Any], shares: RunShares) -> dict[str, Any]:
+    """``base`` with the decode of its generation priced on the mean of the run's steps (specsim.run_steps):
+    the draft and verify of each step priced as the full step's (``t_draft_s``, ``t_verify_s``), scaled by
+    the shares the generation's cut last steps leave; the decode speedup τ_N · t(1) over that mean step.
+    EAGLE-1's Sequoia-32 trees at N = 48 paid 5-7% less draft per step than the full tree's."""
+    draft, verify = base["t_draft_s"] * shares.draft, base["t_verify_s"] * shares.verify
+    return {**base, "t_draft_run_s": draft, "t_verify_run_s": verify,
+            "predicted_decode_speedup": base["tokens_per_forward"] * base["t_ar_s"] / (draft + verify)}
 
 
 def sequoia_tree_for(cfg: RunConfig, profile: Profile) -> tuple[Tree, dict[str, Any], dict[str, Any]]:
@@ -934,5 +1012,8 @@ def prediction_metrics(cfg: RunConfig, this_device: dict[str, Any], preset: dict
                     # (analysis.validation): draft, verify (t(n) + the loop's verification), t(1)
                     f"predicted_t_draft_s_{suffix}": pred["t_draft_s"],
                     f"predicted_t_verify_s_{suffix}": pred["t_verify_s"],
+                    # ... and the mean of the generation's steps, its cut last ones included (the decode's)
+                    f"predicted_t_draft_run_s_{suffix}": pred["t_draft_run_s"],
+                    f"predicted_t_verify_run_s_{suffix}": pred["t_verify_run_s"],
                     f"predicted_t_ar_s_{suffix}": pred["t_ar_s"]})
     return out

@@ -186,6 +186,19 @@ def test_a_miss_is_attributed_to_the_term_that_is_wrong(over, term):
     assert t.loc[0, others].abs().max() < 1e-9
 
 
+def test_the_draft_term_compares_the_runs_mean_step_with_the_runs():
+    """The measured draft per forward is the mean over the run's steps, the generation's cut last ones
+    included: the prediction's run mean (``predicted_t_draft_run_s``) is what it is compared with, where a
+    run recorded it; the full step's draft (older runs' only figure) would read the draft term dear."""
+    full = _run(predicted_t_draft_s_this_device=0.006, predicted_decode_speedup=1.5 * 0.02 / 0.021)
+    mean = _run(predicted_t_draft_s_this_device=0.006, predicted_t_draft_run_s_this_device=0.005,
+                predicted_t_verify_run_s_this_device=0.015, predicted_decode_speedup=1.5)
+    t = errors(pd.DataFrame([full, mean]))
+    assert t.loc[0, "draft"] < -0.04 and t.loc[0, "dominant_term"] == "draft"
+    assert t.loc[1, list(TERMS)].abs().max() < 1e-9 and t.loc[1, "speedup_err"] == pytest.approx(0)
+    assert t.loc[1, "t_draft_pred"] == pytest.approx(0.005)
+
+
 def test_a_machine_slower_than_at_calibration_moves_no_term():
     # every predicted cost 30% above this run's: the same ratios to t(1), the same speedup
     t = errors(pd.DataFrame([_run(predicted_t_ar_s_this_device=0.013, predicted_t_draft_s_this_device=0.0065,

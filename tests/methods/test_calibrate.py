@@ -16,6 +16,7 @@ import torch
 
 import methods.measurement.calibrate as calibrate_module
 import methods.measurement.cost_table as cost_table_module
+import methods.measurement.profiles as profiles_module
 from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams
 from methods.drafters.registry import drafter_class
@@ -40,6 +41,7 @@ from methods.measurement.calibrate import (
 from methods.measurement.profiles import (
     Profile,
     apply_profile,
+    calibration_cut_share,
     cold_walk_ratio,
     draft_levels,
     draft_pass_scale,
@@ -58,9 +60,12 @@ from methods.measurement.profiles import (
     tree_predictions,
 )
 from methods.models import Models
+from specsim.acceptance import PositionalAcceptance
 from specsim.config import Verifier
-from specsim.cost import DraftCost
+from specsim.cost import DraftCost, MeasuredCost
+from specsim.expected import accepted_length_law
 from specsim.io import read_json
+from specsim.run_steps import cut, room_mean, room_spare
 from specsim.tree import Tree
 
 BUDGETS = [1, 2, 4, 8]
@@ -1086,6 +1091,21 @@ def _grown(fed: list[int]) -> float:
     return float(np.sum(np.interp(fed, w, r)))
 
 
+def _looped(prof: Profile, shape: dict, full) -> dict:
+    """``shape`` with its loop's draft per step as calibration times it: the mean over the steps of a
+    generation of calibration.new_tokens (32) of ``full(fed, nodes)``, the step drafting the levels fed
+    ``fed`` and ``nodes`` nodes, its last steps cut at the room left (specsim.run_steps)."""
+    tree = profiles_module._shape_tree(shape, shape["fed"])
+    law = accepted_length_law(tree, PositionalAcceptance(tuple(prof.acceptance_vector)))
+    widths = DraftCost(fed_width=True).widths
+
+    def at(d: int) -> float:
+        kept = cut(tree, d)
+        return full(widths(kept), kept.size - 1)
+
+    return {**shape, "ratio": float(room_mean(law, 32, tree.depth, room_spare(prof.drafter), at))}
+
+
 def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True,
                     per_fed: float = 0.0) -> Profile:
     """A draft-model profile whose loop drafted F + a · Σ g(w) + b · nodes + e · levels fed > 1 node + c ·
@@ -1096,9 +1116,12 @@ def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees:
         shapes += [("star8", [1], 8), ("fan4", [1, 4], 8), ("fan2", [1, 2], 4),
                    (WIDE_SHAPE, [1, 2, 4, 8, 1], 31)]
     prof = dataclasses.replace(_profile(), draft_ratio=(fixed + 4 * (level + node)) / 4)
-    drafted = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed,
-                "ratio": fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)
-                + per_fed * sum(w - 1 for w in fed if w > 1)}
+
+    def full(fed: list[int], n: int) -> float:  # one step's draft, in t(1)
+        return (fixed + level * _grown(fed) + node * n + wide * sum(w > 1 for w in fed)
+                + per_fed * sum(w - 1 for w in fed if w > 1)) if fed else 0.0
+
+    drafted = [_looped(prof, {"shape": s, "levels": len(fed), "nodes": n, "fed": fed}, full)
                for s, fed, n in shapes]
     prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
                       draft_shape_ratios=drafted)
@@ -1210,9 +1233,10 @@ def test_the_wide_tree_pins_the_drafts_terms_where_the_small_shapes_extrapolate(
 
     shapes = [("loop", [1] * 4, 4, False), ("chain1", [1], 1, False), ("star8", [1], 8, True),
               ("fan4", [1, 4], 8, True), ("fan2", [1, 2], 4, True), (WIDE_SHAPE, [1, 2, 4, 8, 1], 31, True)]
-    timed = [{"shape": s, "levels": len(fed), "nodes": n, "fed": fed, "ratio": drafted(fed, tree)}
-             for s, fed, n, tree in shapes]
     prof = dataclasses.replace(_profile(), draft_ratio=drafted([1] * 4, False) / 4)
+    timed = [_looped(prof, {"shape": s, "levels": len(fed), "nodes": n, "fed": fed},
+                     lambda fed, n: drafted(fed, n > len(fed)) if fed else 0.0)  # a tree: nodes > levels
+             for s, fed, n, _ in shapes]
     prof.extra.update(loop_tree_depth=4, loop_tree_size=5, draft_level_ratios=dict(GROWTH),
                       draft_shape_ratios=timed)
     small = dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": timed[:-1]})
@@ -1520,3 +1544,61 @@ def test_calibration_runs_on_cuda_and_agrees_with_the_cpu(run_config, tiny_model
         sampled = _calibrate_on("cuda", preset, run_config, tiny_models, "workload.temperature=1.0",
                                 "method.verifier=sequoia")  # sampled stars, the generator on the host
         _valid_vector(sampled.acceptance_vector, len(sampled.acceptance_vector) - 2)
+
+
+def test_the_generations_cut_last_steps_are_priced_as_the_loop_drafts_them(run_config):
+    """The loop drafts at most the tokens left (ctx.max_new): a generation's last steps draft and verify cut
+    trees. τ_N counted their tokens; their cost is priced too (specsim.run_steps): the decode's step is the
+    mean of the run's steps, below the full step where the generation is short, equal to it where it is long,
+    and the decode speedup is τ_N · t(1) over that mean step (the steady speedup keeps the full step)."""
+    prof = _shaped_profile(0.2, 0.28, 0.02, 0.1)
+    seq = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3, 4, 6, 8])  # 6 deep
+    for n, low in ((6, True), (48, True), (400, False)):
+        cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4", f"workload.max_new_tokens={n}")
+        here = tree_predictions(cfg, prof, seq)[0]
+        draft, verify = here["t_draft_run_s"], here["t_verify_run_s"]
+        assert draft < here["t_draft_s"] and verify < here["t_verify_s"]
+        if not low:
+            assert draft == pytest.approx(here["t_draft_s"], rel=0.03)
+        assert here["predicted_decode_speedup"] == pytest.approx(
+            here["tokens_per_forward"] * here["t_ar_s"] / (draft + verify))
+        assert here["predicted_speedup"] == pytest.approx(
+            here["predicted_tau"] * here["t_ar_s"] / (here["t_draft_s"] + here["t_verify_s"]))
+    short = tree_predictions(run_config("method=vanilla", "workload.max_new_tokens=6"), prof, seq)[0]
+    assert short["t_draft_run_s"] < 0.8 * short["t_draft_s"]  # 6 tokens, 6 deep: most steps are cut
+
+
+def test_the_drafts_fit_reads_the_shapes_loops_as_means_over_their_cut_steps(run_config):
+    """The calibration's loops on the shapes are generations of calibration.new_tokens: their draft per step
+    is the mean over steps whose last ones the generation cut. Timed so (the loops' means of a true full-step
+    law), the fit recovers the full step's terms: the chain's and the wide tree's full draft within 1%."""
+    fixed, level, node, wide = 0.2, 0.28, 0.02, 0.1
+    prof = _shaped_profile(fixed, level, node, wide)
+    growth_cost = MeasuredCost.from_mapping({int(w): r / GROWTH["1"] for w, r in GROWTH.items()})
+    truth = np.array([fixed, level, node, wide, 0.0])
+    for s in prof.extra["draft_shape_ratios"]:  # the loop's timing: the mean over its generation's rooms
+        tree = profiles_module._shape_tree(s, s["fed"])
+        s["ratio"] = float(np.dot(profiles_module._loop_fit_row(prof, tree, growth_cost), truth))
+    terms = draft_terms(prof)
+    assert terms[:4] == pytest.approx(tuple(truth[:4]), abs=2e-3)
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    for tree, fed in ((Tree.chain(4), [1] * 4), (wide_tree(), [1, 2, 4, 8, 1])):
+        full = (fixed + level * _grown(fed) + node * (tree.size - 1) + wide * sum(w > 1 for w in fed))
+        priced = tree_predictions(cfg, prof, tree)[0]["t_draft_s"]
+        assert priced == pytest.approx(full * prof.t_ar_s, rel=0.01)
+
+
+def test_a_draft_timed_per_step_over_the_calibrations_cut_steps_is_priced_as_a_full_step(run_config):
+    """A drafter priced per level from its loop (no shapes timed: LayerSkip, MTP, Medusa) had its draft per
+    step timed over generations of calibration.new_tokens, whose last steps drafted what their room let: at
+    32 tokens and every chain of 4 accepted (5 tokens a step), 7 steps drafted 4, 4, 4, 4, 4, 4 and 2 levels
+    (2 tokens left). The full step's level is the loop's mean over 26 / 28 of the full levels, so the run's
+    own cut (specsim.run_steps) is not counted twice."""
+    cfg = run_config("method=layerskip")
+    prof = dataclasses.replace(_profile(), drafter="layerskip")
+    prof.extra.update(loop_tree_depth=4, loop_tree_size=5, split_sizes={"new_tokens": 32})
+    plain = apply_profile(cfg, prof).method.draft_cost_ratio
+    prof.extra["loop_accept_hist"] = [0, 0, 0, 0, 10]
+    assert apply_profile(cfg, prof).method.draft_cost_ratio == pytest.approx(plain * 28 / 26)
+    assert calibration_cut_share(prof, one_pass=False) == pytest.approx(26 / 28)
+    assert calibration_cut_share(prof, one_pass=True) == pytest.approx(1.0)  # one pass at every room

@@ -16,6 +16,7 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import build_drafter, names
 from methods.models import Models
 from specsim.config import MethodConfig, Verifier
+from specsim.run_steps import room_spare
 from specsim.tree import Tree
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -179,3 +180,33 @@ def test_greedy_equals_autoregressive_on_cuda(tiny_models, name):
     for prompt in prompts().values():
         ref = decode(engine, Autoregressive(), prompt, opts, g)
         assert decode(engine, drafter, prompt, opts, g).token_ids == ref.token_ids
+
+
+# drafters that always fill their tree as deep as the room lets (the others may stop short: no n-gram match,
+# an adaptive exit, Lookahead's pool)
+FULL_DEPTH = {"draft_model", "medusa", "specinfer", "online", "layerskip", "mtp", "eagle", "eagle3", "staged"}
+
+
+@pytest.mark.parametrize("name", names())
+def test_each_drafter_drafts_the_room_its_cut_steps_are_priced_at(tiny_models, self_draft, name):
+    """The prediction prices a generation's last steps as drafting min(D, room − spare) levels
+    (specsim.run_steps.room_spare: 1 where the room's last token is left to the bonus token, EAGLE / Medusa /
+    MTP): every drafter drafts no deeper, and those that fill their tree draft exactly that deep."""
+    models = self_draft if name in DRAFT_MODEL else tiny_models
+    drafter = build_drafter(method(name, Verifier.greedy), TREES["chain3"], models, GREEDY)
+    seen: list[tuple[int, int]] = []
+    propose = drafter.propose
+
+    def recording(ctx):
+        draft = propose(ctx)
+        seen.append((ctx.max_new, draft.tree.depth))
+        return draft
+
+    drafter.propose = recording
+    engine, g, spare = ModelEngine(tiny_models.target), torch.Generator().manual_seed(3), room_spare(name)
+    for n in (1, 2, 3, 5):
+        decode(engine, drafter, prompts()["repetitive"], DecodeOptions(Verifier.greedy, GREEDY, n), g)
+    assert seen and all(depth <= max(0, room - spare) for room, depth in seen), seen
+    if name in FULL_DEPTH:
+        later = [(room, depth) for room, depth in seen if room < 3]
+        assert later and all(depth == max(0, room - spare) for room, depth in later), seen
