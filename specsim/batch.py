@@ -636,7 +636,7 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
     (:meth:`BatchCostModel.with_draft_step`), or the ``head_fit``'s at B ≥ 2 where one was timed."""
     from specsim.acceptance import from_config
     from specsim.expected import accepted_length_law
-    from specsim.run_steps import room_spare, run_shares
+    from specsim.run_steps import run_shares
 
     b = int(cfg.workload.batch_size if batch_size is None else batch_size)
     cost = BatchCostModel.from_config(cfg, profile, fit, draft_fit, head_fit)
@@ -662,7 +662,7 @@ def predict_at_batch(cfg: RunConfig, profile: TargetCost | None = None, fit: Bat
             forwards = float(occupancy[:, 1:].sum())
         if b == 1:  # decoded alone: its last steps draft and verify what their room lets (specsim.run_steps);
             # a batch's rows cut at different steps, priced at the rows still decoding above
-            shares = run_shares(at, t, law, n, room_spare(cfg.method.drafter))
+            shares = run_shares(at, t, law, n, cfg.method.room_spare)
             draft, verify = draft * shares.draft, verify * shares.verify
     decode = n * at.ar_time / (forwards * (draft + verify)) if t.depth > 0 else 1.0
     return BatchPrediction(b, tau, s, t.size, step, at.ar_time, b / at.ar_time, b * tau / step, b_star,

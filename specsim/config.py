@@ -97,6 +97,12 @@ class MethodConfig:
     # simulator: tokens the verify forward computes beyond the priced tree (Lookahead: its Jacobi branch and
     # the candidates beyond the one chain τ is priced on), so t(n) is charged for the whole forward
     verify_extra_tokens: int = 0
+    # simulator: levels the drafter leaves undrafted below a step's room (the tokens the generation has left):
+    # 1 where the room's last token is left to the target's bonus token (EAGLE, Medusa, MTP draft at most
+    # ctx.max_new - 1 levels), 0 where the drafter drafts the room itself; prices the generation's cut last
+    # steps (specsim.run_steps). tests/methods/test_greedy_equivalence.py checks each preset's against its
+    # drafter's loop
+    room_spare: int = 0
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     # drafter-specific knobs (gamma for vanilla, ngram sizes for lookup, heads for medusa, …)
     params: dict[str, Any] = field(default_factory=dict)
@@ -268,6 +274,7 @@ RANGES: dict[str, Range] = {
     "method.draft_node_ratio": NON_NEGATIVE,
     "method.draft_tokens_per_forward": Range(1),
     "method.verify_extra_tokens": NON_NEGATIVE,
+    "method.room_spare": Range(0, 1),
     "method.verify_reuse_ratio": Range(0, 1, hi_open=True),
     "method.verify_saving_ratio": Range(0, 1, hi_open=True),
     "method.acceptance.alpha": Range(0, 1, hi_open=True),  # α = 1 makes k̄ infinite

@@ -14,7 +14,7 @@ from specsim.acceptance import from_config
 from specsim.config import RunConfig, TreeKind, flat
 from specsim.cost import CostModel, TargetCost
 from specsim.expected import accepted_length_law, expected_tokens, tokens_per_forward
-from specsim.run_steps import room_spare, run_shares
+from specsim.run_steps import run_shares
 from specsim.tree import Tree
 from specsim.trees import acceptance_vector, build_tree
 
@@ -86,7 +86,7 @@ def simulate(cfg: RunConfig, profile: TargetCost | None = None, tree: Tree | Non
     law = accepted_length_law(tree, model)
     per_forward = tokens_per_forward(law, cfg.workload.max_new_tokens)
     t_verify, t_draft = cost.tree_verify_time(tree), cost.draft_time(tree)
-    shares = run_shares(cost, tree, law, cfg.workload.max_new_tokens, room_spare(cfg.method.drafter))
+    shares = run_shares(cost, tree, law, cfg.workload.max_new_tokens, cfg.method.room_spare)
     run_draft, run_verify = t_draft * shares.draft, t_verify * shares.verify
     return Prediction(
         predicted_tau=tau,

@@ -2,8 +2,9 @@
 
 A generation of N tokens starts u(r) steps with r tokens left (specsim.expected.room_visits). There the
 decode loop lets a drafter draft at most the room (``ctx.max_new``): min(D, r − spare) levels of its tree
-of depth D, ``spare`` = 1 for the drafters that leave the room's last token to the target's bonus token
-(EAGLE, Medusa, MTP: ``ctx.max_new − 1``), 0 for those that draft the room itself. A step cut so drafts and
+of depth D, ``spare`` (the method preset's ``method.room_spare``) = 1 for the drafters that leave the room's
+last token to the target's bonus token (EAGLE, Medusa, MTP: ``ctx.max_new − 1``), 0 for those that draft the
+room itself. A step cut so drafts and
 verifies fewer nodes. τ_N (specsim.expected.tokens_per_forward) already counts the cut's tokens; its cost is
     t_draft,N = Σ_r u(r) · t_draft(tree cut at min(D, r − spare)) / Σ_r u(r),   t_verify,N likewise,
 which the full step over-prices by the cut steps' share: 5-7% of the draft on EAGLE's Sequoia-32 trees at
@@ -20,15 +21,6 @@ import numpy as np
 from specsim.cost import CostModel
 from specsim.expected import room_visits
 from specsim.tree import Tree
-
-# drafters (method.drafter) that draft at most ctx.max_new − 1 levels: the room's last token is the target's
-# bonus token (methods.drafters: eagle.py, medusa.py, mtp.py); every other drafter drafts up to ctx.max_new
-LEAVES_BONUS = frozenset({"eagle", "eagle3", "medusa", "mtp"})
-
-
-def room_spare(drafter: str) -> int:
-    """Levels a drafter leaves undrafted below the room: 1 for :data:`LEAVES_BONUS`, else 0."""
-    return 1 if drafter in LEAVES_BONUS else 0
 
 
 def cut(tree: Tree, depth: int) -> Tree:

@@ -1103,6 +1103,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         **_exact_extra(m.ranks[0], m.star_sizes),
         "temperature": cfg.workload.temperature,
         "split_sizes": split_sizes(cfg),
+        "room_spare": cfg.method.room_spare,  # the loops' cut last steps (profiles.room_spare)
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_accept_hist_by_prompt": m.prompt_hists,
         # a drafter that learns between requests (Online SD): how often, and its updates at each prompt

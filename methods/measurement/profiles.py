@@ -35,7 +35,7 @@ from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.replay import RankRuns, loop_law
-from specsim.run_steps import RunShares, cut, room_mean, room_spare, run_shares
+from specsim.run_steps import RunShares, cut, room_mean, run_shares
 from specsim.tree import Tree
 from specsim.trees import build_tree, recorded_law
 
@@ -543,10 +543,16 @@ def _loop_fit_row(profile: Profile, tree: Tree, growth: MeasuredCost) -> list[fl
         kept = cut(tree, d)
         return _fit_row(drafts.widths(kept), kept.size - 1, growth)
 
-    return [float(x) for x in room_mean(law, n_cal, tree.depth, room_spare(profile.drafter), row)]
+    return [float(x) for x in room_mean(law, n_cal, tree.depth, room_spare(profile), row)]
 
 
 UNRECORDED_NEW_TOKENS = 32  # calibration.new_tokens of profiles that did not record their split (calibrate)
+
+
+def room_spare(profile: Profile) -> int:
+    """The calibrating preset's ``method.room_spare`` (specsim.run_steps), recorded by the calibration; 0 for
+    profiles calibrated before it was (their loops' cut steps then read as drafting the room itself)."""
+    return int(profile.extra.get("room_spare") or 0)
 
 
 def measured_acceptance(cfg: RunConfig, profile: Profile, source: str = "vector") -> RunConfig:
@@ -648,7 +654,7 @@ def calibration_cut_share(profile: Profile, one_pass: bool) -> float:
     law = np.concatenate([[0.0], np.asarray(hist, dtype=float) / float(sum(hist))])
     n_cal = int((extra.get("split_sizes") or {}).get("new_tokens") or UNRECORDED_NEW_TOKENS)
     cost = CostModel(MeasuredCost((1,), (1.0,)), DraftCost(ratio=1.0, one_pass=one_pass))
-    return run_shares(cost, Tree.chain(depth), law, n_cal, room_spare(profile.drafter)).draft
+    return run_shares(cost, Tree.chain(depth), law, n_cal, room_spare(profile)).draft
 
 
 def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPrediction | None:
@@ -940,7 +946,7 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     if exits is not None:  # an adaptive exit drafts fewer levels than its chain: the room cuts only the
         # drafts longer than it, which the chain's shares over-state (not modelled: the full exit step stands)
         return _run_steps(here, RunShares(1.0, 1.0)), _run_steps(preset, RunShares(1.0, 1.0))
-    spare = room_spare(cfg.method.drafter)
+    spare = cfg.method.room_spare
     here = _run_steps(here, run_shares(CostModel.from_config(here_cfg, measured, draft_levels(cfg, profile)),
                                        tree, np.asarray(here["tau_law"]), n, spare))
     preset = _run_steps(preset, run_shares(CostModel.from_config(preset_cfg), tree,

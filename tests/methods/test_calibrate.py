@@ -65,7 +65,7 @@ from specsim.config import Verifier
 from specsim.cost import DraftCost, MeasuredCost
 from specsim.expected import accepted_length_law
 from specsim.io import read_json
-from specsim.run_steps import cut, room_mean, room_spare
+from specsim.run_steps import cut, room_mean
 from specsim.tree import Tree
 
 BUDGETS = [1, 2, 4, 8]
@@ -1103,7 +1103,7 @@ def _looped(prof: Profile, shape: dict, full) -> dict:
         kept = cut(tree, d)
         return full(widths(kept), kept.size - 1)
 
-    return {**shape, "ratio": float(room_mean(law, 32, tree.depth, room_spare(prof.drafter), at))}
+    return {**shape, "ratio": float(room_mean(law, 32, tree.depth, profiles_module.room_spare(prof), at))}
 
 
 def _shaped_profile(fixed: float, level: float, node: float, wide: float, trees: bool = True,

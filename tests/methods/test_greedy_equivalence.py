@@ -6,8 +6,11 @@ test params below)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
@@ -16,8 +19,9 @@ from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import build_drafter, names
 from methods.models import Models
 from specsim.config import MethodConfig, Verifier
-from specsim.run_steps import room_spare
 from specsim.tree import Tree
+
+REPO = Path(__file__).resolve().parents[2]
 
 GREEDY = SamplingParams(temperature=0.0)
 TREES = {
@@ -187,11 +191,27 @@ def test_greedy_equals_autoregressive_on_cuda(tiny_models, name):
 FULL_DEPTH = {"draft_model", "medusa", "specinfer", "online", "layerskip", "mtp", "eagle", "eagle3", "staged"}
 
 
+def preset_spares(drafter: str) -> set[int]:
+    """method.room_spare of every conf/method preset whose drafter is ``drafter`` (or whose parent's is)."""
+    presets = {p.stem: OmegaConf.load(p) for p in (REPO / "conf" / "method").glob("*.yaml")}
+
+    def field(name: str, key: str):
+        own = presets[name].get(key)
+        parents = [d for d in presets[name].get("defaults", []) if isinstance(d, str) and d in presets]
+        return own if own is not None or not parents else field(parents[0], key)
+
+    return {int(field(n, "room_spare") or 0) for n in presets if field(n, "drafter") == drafter}
+
+
 @pytest.mark.parametrize("name", names())
 def test_each_drafter_drafts_the_room_its_cut_steps_are_priced_at(tiny_models, self_draft, name):
     """The prediction prices a generation's last steps as drafting min(D, room − spare) levels
-    (specsim.run_steps.room_spare: 1 where the room's last token is left to the bonus token, EAGLE / Medusa /
-    MTP): every drafter drafts no deeper, and those that fill their tree draft exactly that deep."""
+    (specsim.run_steps; spare = the presets' method.room_spare: 1 where the room's last token is left to the
+    bonus token, EAGLE / Medusa / MTP): every drafter drafts no deeper, and those that fill their tree draft
+    exactly that deep. Every preset of the drafter declares the same spare."""
+    spares = preset_spares(name)
+    assert len(spares) == 1, f"the presets of drafter {name} declare method.room_spare {spares}"
+    spare = spares.pop()
     models = self_draft if name in DRAFT_MODEL else tiny_models
     drafter = build_drafter(method(name, Verifier.greedy), TREES["chain3"], models, GREEDY)
     seen: list[tuple[int, int]] = []
@@ -203,7 +223,7 @@ def test_each_drafter_drafts_the_room_its_cut_steps_are_priced_at(tiny_models, s
         return draft
 
     drafter.propose = recording
-    engine, g, spare = ModelEngine(tiny_models.target), torch.Generator().manual_seed(3), room_spare(name)
+    engine, g = ModelEngine(tiny_models.target), torch.Generator().manual_seed(3)
     for n in (1, 2, 3, 5):
         decode(engine, drafter, prompts()["repetitive"], DecodeOptions(Verifier.greedy, GREEDY, n), g)
     assert seen and all(depth <= max(0, room - spare) for room, depth in seen), seen

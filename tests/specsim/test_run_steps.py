@@ -7,7 +7,7 @@ import pytest
 
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import forwards_to_generate, room_visits
-from specsim.run_steps import cut, room_spare, run_shares
+from specsim.run_steps import cut, run_shares
 from specsim.tree import Tree
 
 
@@ -31,8 +31,8 @@ def test_a_generation_shorter_than_the_tree_drafts_what_its_room_lets():
     the full step's draft, and a verify of 3 and 4 nodes instead of 5."""
     chain, law = Tree.chain(4), np.array([0.0, 0, 0, 0, 0, 1.0])
     cost = _cost()
-    eagle = run_shares(cost, chain, law, 3, room_spare("eagle"))
-    draft_model = run_shares(cost, chain, law, 3, room_spare("draft_model"))
+    eagle = run_shares(cost, chain, law, 3, 1)  # EAGLE leaves the room's last token to the bonus
+    draft_model = run_shares(cost, chain, law, 3, 0)  # a draft model drafts the room itself
     assert eagle.draft == pytest.approx(0.5) and draft_model.draft == pytest.approx(0.75)
     t = cost.target.time
     assert eagle.verify == pytest.approx(t(3) / t(5)) and draft_model.verify == pytest.approx(t(4) / t(5))
@@ -59,4 +59,4 @@ def test_a_dynamic_drafters_expansion_is_cut_at_the_room_too():
 
     cost = replace(_cost(), draft_tree=Tree.beams(2, 4))
     kept, law = Tree.from_parents([-1, 0, 0, 1]), np.array([0.0, 0, 0, 1.0])
-    assert run_shares(cost, kept, law, 3, room_spare("eagle")).draft == pytest.approx(0.5)
+    assert run_shares(cost, kept, law, 3, 1).draft == pytest.approx(0.5)
