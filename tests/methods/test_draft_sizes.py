@@ -50,6 +50,16 @@ def test_size_recorder_counts_drafts_away_from_the_end():
     assert rec.marker == "mine" and rec.needs_hidden_states is False  # the rest is the drafter's
 
 
+def test_size_recorder_of_every_step_counts_sizes_alone():
+    """Depth 0 (the timed rounds' loop): every step's size counted and nothing else, since the recorder
+    runs inside the loop's draft timer; the nodes per depth of each new tree (prompt lookup's) read its
+    draft +0.02-0.04 t(1) per step above the loop's without the recorder."""
+    drafter = _Lengths([0, 4, 2])
+    rec = SizeRecorder(drafter, depth=0)
+    drafts = [rec.propose(SimpleNamespace(max_new=n)) for n in (48, 48, 1)]
+    assert rec.sizes == {1: 1, 5: 1, 3: 1}
+    assert not any("depths" in vars(d.tree) for d in drafts)  # Tree.depths (cached) never computed
+
 def test_loop_forward_is_the_mean_draft_when_drafts_fall_short():
     cfg = SimpleNamespace(method=SimpleNamespace(verify_extra_tokens=0))
     run = SimpleNamespace(drafter=object(), tree=Tree.chain(4))
