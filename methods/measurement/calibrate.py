@@ -1080,6 +1080,7 @@ class _Measured:
     rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (walkable stars)
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
     star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
+    loop_new_tokens: int = 0  # new tokens per prompt of the depth run (``sizes``' generations)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1127,7 +1128,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates, star_sizes)
+                          runs, updates, star_sizes, new_tokens)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1155,6 +1156,7 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the verify forwards' sizes over the timed rounds' loop, every step: where drafts vary by step, its
         # verification's excess over its forwards is taken beside their mean t(k) (profiles.timed_forward_law)
         "loop_verify_timed_sizes": {str(n): c for n, c in t.verify_sizes.items()},
+        "loop_new_tokens": m.loop_new_tokens,  # the depth run's generations (the timed rounds': new_tokens)
         "proposal_stars": PROPOSAL_STARS,  # how _proposed follows a drafter's own proposals
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
@@ -1275,7 +1277,7 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
         acceptance_by_depth=tuple(m.stats.by_depth()),
         t_ar_s=m.table.t1_s, t_n_ratios=m.table.t_n_ratios, draft_ratio=m.table.draft_ratio,
         verify_overhead_ratio=m.table.verify_overhead_ratio(m.forward_tokens if run.tree.size > 1 else 1,
-                                                            timed_forward(m)),
+                                                            timed_forward(m, cal.new_tokens)),
         timing_dispersion=m.table.dispersion,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
@@ -1284,12 +1286,13 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
     )
 
 
-def timed_forward(m: _Measured) -> float | None:
-    """Where the drafter's drafts varied by step, the mean t(k) / t(1) of the forwards the timed loop ran
+def timed_forward(m: _Measured, timed_new_tokens: int) -> float | None:
+    """Where the drafter's drafts varied by step and the depth run's generations had another length than
+    the timed rounds' (``timed_new_tokens``), the mean t(k) / t(1) of the forwards the timed loop ran
     (profiles.timed_forward_law): its verification's overhead is taken beside the forwards it paid for, not
     beside t of the depth run's rounded mean draft (prompt lookup's grounded T = 0 loop verified at 1.14
     t(1) beside t(4) = 1.22 where its forwards averaged 1.09: an overhead clamped to 0). None otherwise."""
-    law = timed_forward_law(m.sizes, m.table.verify_sizes)
+    law = timed_forward_law(m.sizes, m.table.verify_sizes, (m.loop_new_tokens, timed_new_tokens))
     return mean_forward_ratio(m.table.t_n_ratios, law) if law else None
 
 

@@ -349,7 +349,8 @@ def _loop_forward_law(profile: Profile) -> dict[int, float] | None:
     the depth run's when their mean is the forward its overhead was taken beside
     (``loop_verify_forward_tokens``, rounded); else None."""
     extra = profile.extra
-    timed = timed_forward_law(extra.get("loop_verify_sizes"), extra.get("loop_verify_timed_sizes"))
+    lengths = (extra.get("loop_new_tokens"), (extra.get("split_sizes") or {}).get("new_tokens"))
+    timed = timed_forward_law(extra.get("loop_verify_sizes"), extra.get("loop_verify_timed_sizes"), lengths)
     if timed is not None:
         return timed
     law, forward = varied_sizes(extra.get("loop_verify_sizes")), extra.get("loop_verify_forward_tokens")
@@ -368,16 +369,19 @@ def varied_sizes(counts: Mapping | None) -> dict[int, float] | None:
     return {n: c / total for n, c in sorted(counts.items())}
 
 
-def timed_forward_law(steady: Mapping | None, timed: Mapping | None) -> dict[int, float] | None:
-    """Where a drafter's drafts vary by step (``steady``: the depth run's counts, :func:`varied_sizes`), the
-    law of the forwards the calibration's timed loop ran (``timed``: the timing rounds' counts,
-    cost_table.VSIZES), the ones its measured verification paid for; None for a drafter of one size or
-    without the timed counts. The timed rounds decode calibration.new_tokens per prompt, the depth run the
-    workload's length: beside the depth run's mean t(k), Lookahead's verification (its pool fuller over 48
-    new tokens than over 32) read below its own forwards on the quiet sweep, its excess clamped to 0, and
-    at T = 0 (a walk of ~0.003 t(1)) prompt lookup's loop verification beside t(round(mean)) did too:
-    every step priced at its back-to-back t(k), 4-10% below the loop's (zoo9)."""
-    if varied_sizes(steady) is None:
+def timed_forward_law(steady: Mapping | None, timed: Mapping | None,
+                      lengths: tuple[int | None, int | None] = (None, None)) -> dict[int, float] | None:
+    """Where a drafter's drafts vary by step (``steady``: the depth run's counts, :func:`varied_sizes`) and
+    the depth run's generations had another length than the timed rounds' (``lengths``: their new tokens per
+    prompt), the law of the forwards the calibration's timed loop ran (``timed``: the timing rounds' counts,
+    cost_table.VSIZES), the ones its measured verification paid for; None otherwise (the depth run's law
+    stands, :func:`_loop_forward_law`). A loop drafter's depth run decodes the workload's length (48 new
+    tokens), the timed rounds calibration.new_tokens (32): beside the depth run's mean t(k), Lookahead's
+    verification (its pool fuller over 48 new tokens: a mean forward of 32.9 tokens, 29.8 over 32) read
+    below its own forwards, its excess clamped to 0 (zoo9, grounded and prose T = 0), and at T = 0 (a walk
+    of ~0.003 t(1)) prompt lookup's loop verification beside t(round(mean)) could too (zoo9, grounded):
+    every step priced at its back-to-back t(k), where the loop paid 7.5% above them (quiet, 16 prompts)."""
+    if varied_sizes(steady) is None or None in lengths or lengths[0] == lengths[1]:
         return None
     counts = {int(n): float(c) for n, c in (timed or {}).items()}
     total = sum(counts.values())
