@@ -56,6 +56,7 @@ from methods.measurement.cost_table import (
     VCHAIN,
     VERIFY,
     VLOOP,
+    VSIZES,
     VSTEP,
     CostTable,
     cost_table,
@@ -68,6 +69,7 @@ from methods.measurement.profiles import (
     StarRule,
     device_name,
     load_profile,
+    mean_forward_ratio,
     missing_budgets,
     profile_key,
     profile_lock,
@@ -75,6 +77,8 @@ from methods.measurement.profiles import (
     save_profile,
     sequoia_tree_for,
     star_rule,
+    timed_forward_law,
+    varied_sizes,
 )
 from methods.models import Models, context_length, load_models
 from specsim.acceptance import from_config
@@ -253,8 +257,10 @@ class SizeRecorder:
         draft = self._drafter.propose(ctx)
         if ctx.max_new > self._depth:
             self.sizes[draft.tree.size] = self.sizes.get(draft.tree.size, 0) + 1
-            levels = draft.tree.level_sizes()[: self._depth + 1]
-            self._levels[: levels.size] += levels
+            if self._depth > 0:  # depth 0 counts sizes alone: inside a timed loop, its draft timer's
+                # (the nodes per depth of a new tree each step, prompt lookup's: +0.02-0.04 t(1) per step)
+                levels = draft.tree.level_sizes()[: self._depth + 1]
+                self._levels[: levels.size] += levels
         return draft
 
     @property
@@ -560,11 +566,13 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
 
     def spec() -> dict:
         before = _draft_counts(run.drafter)
-        r = decode(run.target, run.drafter, next_prompt("spec"), _spec_opts(run), run.generator)
+        counted = SizeRecorder(run.drafter, 0)  # every step: the forwards whose verification is timed
+        r = decode(run.target, counted, next_prompt("spec"), _spec_opts(run), run.generator)
         steps = max(r.n_target_forwards, 1)
         per_step = _forwards_per_step(before, _draft_counts(run.drafter)) or levels
         loop = {(QSHAPE, LOOP_SHAPE): r.time_draft_s / steps} if shapes else {}
-        return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps, **loop}
+        sized = {(VSIZES, n): c for n, c in counted.sizes.items()}
+        return {DRAFT: r.time_draft_s / steps / per_step, VERIFY: r.time_verify_s / steps, **loop, **sized}
 
     shapes = shape_drafters(run)
 
@@ -1043,6 +1051,7 @@ class _Measured:
     rank_runs: list[list[list[int]]] | None = None  # _star_ranks' per trajectory and depth (walkable stars)
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
     star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
+    loop_new_tokens: int = 0  # new tokens per prompt of the depth run (``sizes``' generations)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1090,7 +1099,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates, star_sizes)
+                          runs, updates, star_sizes, new_tokens)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1116,6 +1125,10 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         # the verify forward where drafts fall short of the tree (profiles.verify_size_law)
         "loop_verify_sizes": {str(n): c for n, c in m.sizes.items()},
         "loop_verify_level_sizes": m.levels,  # their mean nodes per depth, root first (profiles.merged_size)
+        # the verify forwards' sizes over the timed rounds' loop, every step: where drafts vary by step, its
+        # verification's excess over its forwards is taken beside their mean t(k) (profiles.timed_forward_law)
+        "loop_verify_timed_sizes": {str(n): c for n, c in t.verify_sizes.items()},
+        "loop_new_tokens": m.loop_new_tokens,  # the depth run's generations (the timed rounds': new_tokens)
         "proposal_stars": PROPOSAL_STARS,  # how _proposed follows a drafter's own proposals
         "draft_steps": cfg.method.draft_steps,
         "verify_per_speculation_step_s": t.verify_ratio * t.t1_s,
@@ -1235,13 +1248,24 @@ def measure_profile(cfg: RunConfig, models: Models | None = None, show_progress:
         if len(m.ranks) > 1 else (),
         acceptance_by_depth=tuple(m.stats.by_depth()),
         t_ar_s=m.table.t1_s, t_n_ratios=m.table.t_n_ratios, draft_ratio=m.table.draft_ratio,
-        verify_overhead_ratio=m.table.verify_overhead_ratio(m.forward_tokens if run.tree.size > 1 else 1),
+        verify_overhead_ratio=m.table.verify_overhead_ratio(m.forward_tokens if run.tree.size > 1 else 1,
+                                                            timed_forward(m, cal.new_tokens)),
         timing_dispersion=m.table.dispersion,
         model=cfg.model.name, drafter=cfg.method.drafter, workload=cfg.workload.name,
         device=device_name(cfg.device), dtype=str(models.dtype).removeprefix("torch."), width=cal.width,
         n_positions=len(m.ranks[0]), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         key=profile_key(cfg), max_draft_depth=int(heads.num_heads) if heads is not None else 0, extra=extra,
     )
+
+
+def timed_forward(m: _Measured, timed_new_tokens: int) -> float | None:
+    """Where the drafter's drafts varied by step and the depth run's generations had another length than
+    the timed rounds' (``timed_new_tokens``), the mean t(k) / t(1) of the forwards the timed loop ran
+    (profiles.timed_forward_law): its verification's overhead is taken beside the forwards it paid for, not
+    beside t of the depth run's rounded mean draft (prompt lookup's grounded T = 0 loop verified at 1.14
+    t(1) beside t(4) = 1.22 where its forwards averaged 1.09: an overhead clamped to 0). None otherwise."""
+    law = timed_forward_law(m.sizes, m.table.verify_sizes, (m.loop_new_tokens, timed_new_tokens))
+    return mean_forward_ratio(m.table.t_n_ratios, law) if law else None
 
 
 # ---- task=calibrate ---------------------------------------------------------------------------------------
@@ -1337,6 +1361,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no per-size verification timing (a profile of an older calibration)"
     if "loop_verify_sizes" not in profile.extra:
         return "no law of the loop's draft sizes (a profile of an older calibration)"
+    if varied_sizes(profile.extra["loop_verify_sizes"]) and not profile.extra.get("loop_verify_timed_sizes"):
+        return "drafts of varied sizes, the timed loop's forwards not counted (an older calibration)"
     kind = drafter_class(cfg.method.drafter)
     if times_pass_per_tree(kind, cfg) and "draft_pass_chain_ratios" not in profile.extra:
         return "no timed pass per tree (a profile of an older calibration)"

@@ -40,6 +40,11 @@ QSHAPE = "qshape"
 # on a wide tree of n nodes, beside VERIFY on its own tree: how the forward's excess over the timed t(n)
 # grows with the tree (methods.measurement.profiles.forward_excess_ratio)
 VLOOP = "vloop"
+# (VSIZES, n): how many of the round's loop steps (the ``verify`` figure's decode) forwarded n tokens, root
+# included: a drafter whose drafts vary by step pays its verification on these forwards, which need not be the
+# depth run's (Lookahead's pool fills as a generation goes on: a mean 29.8 tokens over the timed rounds' 32
+# new tokens, 32.9 over 48)
+VSIZES = "vsizes"
 
 
 @dataclass(frozen=True)
@@ -54,16 +59,19 @@ class CostTable:
     # (shape, n) → median of the rounds' verification (logits → accepted path) of an n-node draft / t(1);
     # (VSTEP, 0) = the loop's own tree. Not in ``dispersion``: ~0.1 ms figures, no verdict on the rounds
     verify_step_ratios: dict[tuple[str, int], float] = field(default_factory=dict)
+    # n → the loop's verify forwards of n tokens over the timed rounds (VSIZES; empty where not counted)
+    verify_sizes: dict[int, float] = field(default_factory=dict)
 
     @property
     def worst(self) -> tuple[str, float]:
         """The most scattered series and its relative IQR."""
         return max(self.dispersion.items(), key=lambda kv: kv[1], default=("", 0.0))
 
-    def verify_overhead_ratio(self, tree_size: int) -> float:
+    def verify_overhead_ratio(self, tree_size: int, forward: float | None = None) -> float:
         """The loop's verification beyond the verify forward of its tree, / t(1) (0 without a tree): beyond
-        the shared-cache forward where one was timed (the forward the loop runs)."""
-        forward = self.shared_ratio or self.t_n_ratios[tree_size]
+        the shared-cache forward where one was timed (the forward the loop runs), else beyond ``forward``
+        where given (the mean t(k) / t(1) of the forwards the timed loop ran, when their sizes varied)."""
+        forward = self.shared_ratio or forward or self.t_n_ratios[tree_size]
         return max(0.0, self.verify_ratio - forward) if tree_size > 1 else 0.0
 
 
@@ -87,9 +95,14 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     med = {k: statistics.median(v) for k, v in loop.items()}
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
              if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
+    counted: dict[int, float] = {}  # counts, not times: summed over the rounds (a round may lack a size)
+    for r in rounds:
+        for k, c in r.items():
+            if isinstance(k, tuple) and k[0] == VSIZES:
+                counted[int(k[1])] = counted.get(int(k[1]), 0.0) + float(c)
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
-                     steps)
+                     steps, dict(sorted(counted.items())))
 
 
 def scatter_reason(dispersion: Mapping[str, float], bound: float | None = None) -> str:

@@ -16,7 +16,7 @@ import hashlib
 import json
 import platform
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -345,16 +345,55 @@ def loop_forward_excess(profile: Profile) -> float | None:
 
 
 def _loop_forward_law(profile: Profile) -> dict[int, float] | None:
-    """The law of the calibration loop's verify forward sizes where they varied (``loop_verify_sizes``,
-    more than one size each on at least SHORT_DRAFTS of the steps) and their mean is the forward its
-    overhead was taken beside (``loop_verify_forward_tokens``, rounded); else None."""
-    counts = {int(n): float(c) for n, c in (profile.extra.get("loop_verify_sizes") or {}).items()}
-    total = sum(counts.values())
-    forward = profile.extra.get("loop_verify_forward_tokens")
-    if total <= 0 or not forward or sum(c >= SHORT_DRAFTS * total for c in counts.values()) < 2:
+    """The law of the forward sizes beside which the loop's verification is priced, where the drafter's
+    drafts varied by step (``loop_verify_sizes``: :func:`varied_sizes`): the sizes the timed rounds' loop
+    forwarded itself (``loop_verify_timed_sizes``, :func:`timed_forward_law`), or in a profile without them
+    the depth run's when their mean is the forward its overhead was taken beside
+    (``loop_verify_forward_tokens``, rounded); else None."""
+    extra = profile.extra
+    lengths = (extra.get("loop_new_tokens"), (extra.get("split_sizes") or {}).get("new_tokens"))
+    timed = timed_forward_law(extra.get("loop_verify_sizes"), extra.get("loop_verify_timed_sizes"), lengths)
+    if timed is not None:
+        return timed
+    law, forward = varied_sizes(extra.get("loop_verify_sizes")), extra.get("loop_verify_forward_tokens")
+    if law is None or not forward:
         return None
-    law = {n: c / total for n, c in counts.items()}
     return law if round(sum(n * p for n, p in law.items())) == int(forward) else None
+
+
+def varied_sizes(counts: Mapping | None) -> dict[int, float] | None:
+    """The law of a loop's verify forward sizes from their counts (size → steps) where they varied: more
+    than one size, each on at least SHORT_DRAFTS of the steps; None for a drafter of one size."""
+    counts = {int(n): float(c) for n, c in (counts or {}).items()}
+    total = sum(counts.values())
+    if total <= 0 or sum(c >= SHORT_DRAFTS * total for c in counts.values()) < 2:
+        return None
+    return {n: c / total for n, c in sorted(counts.items())}
+
+
+def timed_forward_law(steady: Mapping | None, timed: Mapping | None,
+                      lengths: tuple[int | None, int | None] = (None, None)) -> dict[int, float] | None:
+    """Where a drafter's drafts vary by step (``steady``: the depth run's counts, :func:`varied_sizes`) and
+    the depth run's generations had another length than the timed rounds' (``lengths``: their new tokens per
+    prompt), the law of the forwards the calibration's timed loop ran (``timed``: the timing rounds' counts,
+    cost_table.VSIZES), the ones its measured verification paid for; None otherwise (the depth run's law
+    stands, :func:`_loop_forward_law`). A loop drafter's depth run decodes the workload's length (48 new
+    tokens), the timed rounds calibration.new_tokens (32): beside the depth run's mean t(k), Lookahead's
+    verification (its pool fuller over 48 new tokens: a mean forward of 32.9 tokens, 29.8 over 32) read
+    below its own forwards, its excess clamped to 0 (zoo9, grounded and prose T = 0), and at T = 0 (a walk
+    of ~0.003 t(1)) prompt lookup's loop verification beside t(round(mean)) could too (zoo9, grounded):
+    every step priced at its back-to-back t(k), where the loop paid 7.5% above them (quiet, 16 prompts)."""
+    if varied_sizes(steady) is None or None in lengths or lengths[0] == lengths[1]:
+        return None
+    counts = {int(n): float(c) for n, c in (timed or {}).items()}
+    total = sum(counts.values())
+    return {n: c / total for n, c in sorted(counts.items())} if total > 0 else None
+
+
+def mean_forward_ratio(t_n_ratios: Mapping[int, float], law: Mapping[int, float]) -> float:
+    """E[t(k)] / t(1) over ``law`` (size → probability), t interpolated between the timed sizes."""
+    table = MeasuredCost.from_mapping(t_n_ratios)
+    return sum(p * float(table.time(n)) for n, p in law.items())
 
 
 def loop_forward_ratio(profile: Profile) -> float:
@@ -364,8 +403,7 @@ def loop_forward_ratio(profile: Profile) -> float:
     taken beside t(3) priced the loop's own verification 10% below what it measured)."""
     law = _loop_forward_law(profile)
     if law:
-        table = MeasuredCost.from_mapping(profile.t_n_ratios)
-        return sum(p * float(table.time(n)) for n, p in law.items())
+        return mean_forward_ratio(profile.t_n_ratios, law)
     return float(profile.t_n_ratios[int(profile.extra["loop_verify_forward_tokens"])])
 
 

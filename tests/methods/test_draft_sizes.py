@@ -12,7 +12,13 @@ import torch
 
 from methods.core.drafter import Draft
 from methods.measurement.calibrate import SizeRecorder, loop_forward_tokens, measure_profile, remeasure_reason
-from methods.measurement.profiles import Profile, to_measured_cost, tree_predictions, verify_size_law
+from methods.measurement.profiles import (
+    Profile,
+    timed_forward_law,
+    to_measured_cost,
+    tree_predictions,
+    verify_size_law,
+)
 from specsim.tree import Tree
 
 SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
@@ -43,6 +49,16 @@ def test_size_recorder_counts_drafts_away_from_the_end():
     assert rec.level_means == [1.0, 0.75, 0.75, 0.5, 0.5]  # nodes per depth, root first, over the 4 counted
     assert rec.marker == "mine" and rec.needs_hidden_states is False  # the rest is the drafter's
 
+
+def test_size_recorder_of_every_step_counts_sizes_alone():
+    """Depth 0 (the timed rounds' loop): every step's size counted and nothing else, since the recorder
+    runs inside the loop's draft timer; the nodes per depth of each new tree (prompt lookup's) read its
+    draft +0.02-0.04 t(1) per step above the loop's without the recorder."""
+    drafter = _Lengths([0, 4, 2])
+    rec = SizeRecorder(drafter, depth=0)
+    drafts = [rec.propose(SimpleNamespace(max_new=n)) for n in (48, 48, 1)]
+    assert rec.sizes == {1: 1, 5: 1, 3: 1}
+    assert not any("depths" in vars(d.tree) for d in drafts)  # Tree.depths (cached) never computed
 
 def test_loop_forward_is_the_mean_draft_when_drafts_fall_short():
     cfg = SimpleNamespace(method=SimpleNamespace(verify_extra_tokens=0))
@@ -133,3 +149,46 @@ def test_prompt_lookup_profile_counts_its_draft_sizes(run_config, tiny_models, c
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "loop_verify_sizes"})
     assert "draft sizes" in remeasure_reason(old, cfg)  # a profile from before the counts: measured again
+    timed = {int(n): c for n, c in prof.extra["loop_verify_timed_sizes"].items()}  # every timed step
+    assert sum(timed.values()) >= cfg.calibration.reps and all(1 <= n <= 4 for n in timed)
+    varied = dataclasses.replace(prof, extra={**prof.extra, "loop_verify_sizes": {"1": 5, "4": 5}})
+    assert remeasure_reason(varied, cfg) == ""
+    untimed = dataclasses.replace(varied, extra={k: v for k, v in varied.extra.items()
+                                                 if k != "loop_verify_timed_sizes"})
+    assert "timed loop's forwards" in remeasure_reason(untimed, cfg)  # varied drafts, uncounted: again
+    one_size = dataclasses.replace(untimed, extra={**untimed.extra, "loop_verify_sizes": {"4": 10}})
+    assert remeasure_reason(one_size, cfg) == ""  # a drafter of one size prices its own t(n) as before
+
+
+def test_the_loops_excess_is_taken_beside_the_forwards_its_timed_rounds_ran(run_config):
+    """The timed rounds decode calibration.new_tokens per prompt, the depth run (the law priced) the
+    workload's length, and their drafts' sizes differ (Lookahead's pool fills as a generation goes on; a
+    few timed prompts draw their own mix): the loop's verification exceeds its own forwards by e, and that
+    excess is taken beside the mean t(k) of the forwards the timed loop ran (``loop_verify_timed_sizes``).
+    Beside the depth run's law it read 4% where the loop paid 10% (every step priced near its bare t(k)).
+    Where both decoded generations of one length (a depth run of calibration.new_tokens: SpecInfer's, Draft
+    & Verify's), the depth run's law stands."""
+    cfg = run_config("method=prompt_lookup", "tree=chain", "tree.gamma=4", "hardware=cpu")
+    t1, walk, excess = 1e-3, 0.003, 0.1
+    bent = {1: 0.9, 2: 1.0, 3: 1.08, 5: 1.2, 8: 1.5}  # t(n)/t(1), timed back to back
+    timed_forwards = 0.7 * bent[1] + 0.3 * bent[5]  # the timed loop: the root alone on 70% of its steps
+    loop_verify = timed_forwards * (1 + excess) + walk
+    prof = dataclasses.replace(_profile({"1": 5, "5": 5}), t_n_ratios=bent, t_ar_s=t1,
+                               verify_overhead_ratio=loop_verify - timed_forwards)
+    prof.extra.update(verify_step_ratios={"0": walk}, verify_chain_ratios={}, loop_verify_forward_tokens=3,
+                      verify_per_speculation_step_s=loop_verify * t1,
+                      loop_verify_timed_sizes={"1": 7, "5": 3}, loop_new_tokens=48,
+                      split_sizes={"prompts": 48, "new_tokens": 32, "depth_prompts": 4})
+    here, _ = tree_predictions(cfg, prof, Tree.chain(4))
+    expect = 0.5 * bent[1] * (1 + excess) + 0.5 * bent[5] * (1 + excess) + walk  # the depth run's law
+    assert here["t_verify_s"] == pytest.approx(expect * t1)
+    older = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items()
+                                             if k != "loop_verify_timed_sizes"})
+    assert tree_predictions(cfg, older, Tree.chain(4))[0]["t_verify_s"] == pytest.approx(loop_verify * t1)
+    same_length = dataclasses.replace(prof, extra={**prof.extra, "loop_new_tokens": 32})
+    same = tree_predictions(cfg, same_length, Tree.chain(4))[0]["t_verify_s"]
+    assert same == pytest.approx(loop_verify * t1)
+    assert timed_forward_law({"1": 5, "5": 5}, {"1": 7, "5": 3}, (48, 32)) == {1: pytest.approx(0.7),
+                                                                               5: pytest.approx(0.3)}
+    # a drafter whose drafts are all one size (its generation's cut last ones aside): its chain's t(n) stands
+    assert timed_forward_law({"5": 10}, {"5": 9, "3": 1}, (48, 32)) is None

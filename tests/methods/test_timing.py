@@ -26,6 +26,7 @@ from methods.measurement.cost_table import (
     MAX_TIMING_DISPERSION,
     T_AR,
     VERIFY,
+    VSIZES,
     cost_table,
     scatter_reason,
 )
@@ -106,6 +107,22 @@ def test_interleaved_rounds_cancel_a_slow_first_half():
     firsts = [machine.order[3 * r] for r in range(rounds + 1)]
     assert firsts == list(itertools.islice(itertools.cycle(["ar", "spec", "fwd"]), rounds + 1))
 
+
+
+def test_cost_table_counts_the_timed_loops_forward_sizes():
+    """The loop's verify forwards counted by size in each round (VSIZES) are summed over the rounds, not
+    medians of ratios, and enter neither the dispersion nor the ratios; the overhead beside their mean t(k)
+    is not clamped where t of the rounded mean draft sits above the loop's verification (prompt lookup's
+    grounded T = 0 loop: 1.14 t(1) of verification beside t(4) = 1.22, its forwards averaging 1.08)."""
+    rounds = [{T_AR: 1e-3, VERIFY: 1.14e-3, 1: 0.93e-3, 4: 1.22e-3, 5: 1.2e-3,
+               (VSIZES, 1): 3, (VSIZES, 5): 4},
+              {T_AR: 2e-3, VERIFY: 2.28e-3, 1: 1.86e-3, 4: 2.44e-3, 5: 2.4e-3,
+               (VSIZES, 1): 3, (VSIZES, 5): 3, (VSIZES, 3): 1}]
+    table = cost_table(rounds)
+    assert table.verify_sizes == {1: 6.0, 3: 1.0, 5: 7.0}
+    assert not any("vsizes" in k for k in table.dispersion) and not table.verify_step_ratios
+    assert table.verify_overhead_ratio(4) == 0.0  # beside t(4): below it, clamped
+    assert table.verify_overhead_ratio(4, 1.08) == pytest.approx(1.14 - 1.08)  # beside the forwards' mean
 
 def test_cost_table_takes_medians_of_per_round_ratios():
     """A noisy series: one round's forward is preempted (10x), another round's t(1) is: the medians of the
