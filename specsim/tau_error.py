@@ -18,11 +18,16 @@ def steady_lengths(lengths, n_tokens: int, depth: int) -> list[int]:
     the generation's end cut: a step with r < ``depth`` tokens left drafts at most r deep (the loop's
     ``ctx.max_new``, methods.core.loop.limit_depth), so it accepts at most r drafts whatever the acceptance.
     Which steps are kept depends on the earlier steps only, so the kept ones are steady-state steps."""
+    return [length for _, length in steady_steps(lengths, n_tokens, depth)]
+
+
+def steady_steps(lengths, n_tokens: int, depth: int) -> list[tuple[int, int]]:
+    """:func:`steady_lengths` with each kept step's position: (tokens generated before it, its length)."""
     kept, done = [], 0
     for length in lengths:
         room = n_tokens - done
         if room >= depth:
-            kept.append(int(length))
+            kept.append((done, int(length)))
         done += min(int(length), room)
     return kept
 

@@ -10,6 +10,7 @@ import pytest
 from specsim.acceptance import PositionalAcceptance
 from specsim.expected import expected_tokens
 from specsim.replay import RankRuns, accepted_drafts, lengths_law, loop_law, steady_lengths
+from specsim.tau_error import steady_steps
 from specsim.tree import Tree
 
 
@@ -83,5 +84,6 @@ def test_the_loops_own_lengths_give_its_law_on_the_steady_steps():
     assert steady_lengths(one, 10, 3) == [4, 4]
     two = [1, 2, 4, 2, 4]  # 1, 3, 7 done: the fourth step had 3 left (kept), the fifth 1 (cut)
     assert steady_lengths(two, 10, 3) == [1, 2, 4, 2]
+    assert steady_steps(two, 10, 3) == [(0, 1), (1, 2), (3, 4), (7, 2)]  # each with the tokens before it
     law = lengths_law([one, two], 10, 3)
     assert law.tolist() == pytest.approx([0, 1 / 6, 2 / 6, 0, 3 / 6]) and _tau(law) == pytest.approx(17 / 6)
