@@ -11,7 +11,7 @@ import pandas as pd
 from analysis.load import load, load_samples
 from analysis.tables import to_markdown
 from analysis.validation_rows import read_row
-from analysis.validation_terms import TERMS, errors, summary, term_table
+from analysis.validation_terms import TERMS, draw_table, errors, summary, term_table
 
 
 def load_validation(path: str | Path) -> pd.DataFrame:
@@ -80,6 +80,15 @@ def summary_lines(s: dict) -> list[str]:
     ]
 
 
+def _draws(table: pd.DataFrame) -> pd.DataFrame:
+    d = draw_table(table).reset_index()
+    shown = d.assign(temperature=d["temperature"].map(lambda x: f"{x:g}"),
+                     **{"mean τ err": d["mean τ err"].map(pct),
+                        "s.d.": d["s.d."].map(lambda x: "–" if not np.isfinite(x) else f"{x:.1%}"),
+                        "within 3%": d["within 3%"].map(lambda x: f"{x:.0%}")})
+    return shown.rename(columns={"temperature": "T"})
+
+
 def report(path: str | Path, worst: int = 10) -> str:
     df = load_validation(path)
     table = errors(df)
@@ -89,6 +98,8 @@ def report(path: str | Path, worst: int = 10) -> str:
     parts = ["## Summary", *summary_lines(summary(table)), "",
              "## Terms (mean contribution to S_pred/S_meas − 1)",
              to_markdown(term_table(table).map(pct).reset_index()), "",
+             "## Signed τ error by prompt draw (the rows of a workload and temperature share their test "
+             "prompts: their errors are not independent)", to_markdown(_draws(table)), "",
              f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows, sort=False)), "",
              "## Rows", to_markdown(row_table(table))]
     bad = failures(df)

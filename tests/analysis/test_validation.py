@@ -310,6 +310,17 @@ def test_summary_statistics():
     assert s["share_speedup_within_10pct"] == 0.5 and s["share_both"] == 0.5
 
 
+def test_the_rows_sharing_a_prompt_draw_are_summarised_together():
+    from analysis.validation_terms import draw_table
+
+    runs = [_run(workload="code", predicted_tau=3.06), _run(workload="code", predicted_tau=3.3),
+            _run(workload="prose", predicted_tau=2.94), _run(workload="prose", method="autoregressive")]
+    d = draw_table(errors(pd.DataFrame(runs)))
+    assert d.loc[("code", 0.0), "rows"] == 2 and d.loc[("prose", 0.0), "rows"] == 1  # baselines left out
+    assert d.loc[("code", 0.0), "mean τ err"] == pytest.approx(0.06)
+    assert d.loc[("code", 0.0), "within 3%"] == 0.5 and d.loc[("prose", 0.0), "within 3%"] == 1.0
+
+
 def test_the_loops_own_tau_is_compared_with_the_prediction_that_includes_the_ends_cut():
     from analysis.validation_report import summary_lines
 
@@ -354,6 +365,7 @@ def test_report_of_the_committed_small_sweep():
     text = report(MICRO)
     assert "## Summary" in text and "- rows: 10" in text
     assert "| sequoia | sequoia32 | 32 | code | 1 |" in text
+    assert "## Signed τ error by prompt draw" in text and "| code | 1 |" in text
 
 
 @pytest.mark.slow
