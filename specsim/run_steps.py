@@ -4,8 +4,8 @@ A generation of N tokens starts u(r) steps with r tokens left (specsim.expected.
 decode loop lets a drafter draft at most the room (``ctx.max_new``): min(D, r − spare) levels of its tree
 of depth D, ``spare`` (the method preset's ``method.room_spare``) = 1 for the drafters that leave the room's
 last token to the target's bonus token (EAGLE, Medusa, MTP: ``ctx.max_new − 1``), 0 for those that draft the
-room itself. A step cut so drafts and
-verifies fewer nodes. τ_N (specsim.expected.tokens_per_forward) already counts the cut's tokens; its cost is
+room itself. A step cut so drafts and verifies fewer nodes. τ_N (specsim.expected.tokens_per_forward)
+already counts the cut's tokens; its cost is
     t_draft,N = Σ_r u(r) · t_draft(tree cut at min(D, r − spare)) / Σ_r u(r),   t_verify,N likewise,
 which the full step over-prices by the cut steps' share: 5-7% of the draft on EAGLE's Sequoia-32 trees at
 N = 48 (τ 4-5: ~10 steps, the last one or two cut).
@@ -20,17 +20,7 @@ import numpy as np
 
 from specsim.cost import CostModel
 from specsim.expected import room_visits
-from specsim.tree import Tree
-
-
-def cut(tree: Tree, depth: int) -> Tree:
-    """``tree`` without its nodes deeper than ``depth`` (>= 0): what the loop drafts with that much room."""
-    if depth >= tree.depth:
-        return tree
-    keep = [i for i in range(tree.size) if tree.depths[i] <= depth]  # parents precede children: closed
-    index = {old: new for new, old in enumerate(keep)}
-    parents = [-1] + [index[tree.parents[i]] for i in keep[1:]]
-    return Tree.from_parents(parents, [tree.ranks[i] for i in keep])
+from specsim.tree import Tree, cut
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,23 @@ class Tree:
         return f"Tree(size={self.size}, depth={self.depth}, width={self.width})"
 
 
+def subtree(tree: Tree, keep: list[int]) -> Tree:
+    """The tree restricted to the ascending node list ``keep`` (closed under ancestors: node 0 and every kept
+    node's parent are kept), nodes renumbered in order, ranks unchanged."""
+    new_index = {old: new for new, old in enumerate(keep)}
+    assert keep and keep[0] == 0, "the root must be kept"
+    parents = [-1] + [new_index[tree.parents[i]] for i in keep[1:]]
+    return Tree.from_parents(parents, [tree.ranks[i] for i in keep])
+
+
+def cut(tree: Tree, depth: int) -> Tree:
+    """``tree`` without its nodes deeper than ``depth`` (>= 0), ``tree`` itself where none is: what a drafter
+    drafts with that much room (parents precede children, so the kept nodes are closed under ancestors)."""
+    if tree.depth <= depth:
+        return tree
+    return subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
+
+
 def _sibling_order(parents: Sequence[int]) -> tuple[int, ...]:
     seen: dict[int, int] = {}
     ranks = [0]

@@ -20,7 +20,7 @@ from methods.core.metrics import AcceptStats
 from methods.core.sampling import SamplingParams, probs, sample
 from methods.core.verify import argmax_rows, greedy_path, verifier_params, verify
 from specsim.config import MethodConfig, Verifier
-from specsim.tree import Tree
+from specsim.tree import Tree, subtree
 
 
 @dataclass(frozen=True)
@@ -193,12 +193,3 @@ def kept_nodes(tree: Tree, ok: Sequence[bool]) -> list[int]:
     for i in range(1, tree.size):  # parents precede children
         alive[i] = bool(ok[i]) and alive[tree.parents[i]]
     return [i for i in range(tree.size) if alive[i]]
-
-
-def subtree(tree: Tree, keep: list[int]) -> Tree:
-    """The tree restricted to the ascending node list ``keep`` (closed under ancestors: node 0 and every kept
-    node's parent are kept), nodes renumbered in order, ranks unchanged."""
-    new_index = {old: new for new, old in enumerate(keep)}
-    assert keep and keep[0] == 0, "the root must be kept"
-    parents = [-1] + [new_index[tree.parents[i]] for i in keep[1:]]
-    return Tree.from_parents(parents, [tree.ranks[i] for i in keep])

@@ -35,7 +35,7 @@ from methods.core.drafter import (
     root_only,
 )
 from methods.core.fast_llama import packing_works
-from methods.core.loop import limit_depth, subtree
+from methods.core.loop import limit_depth
 from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.drafters.params import checked_params
 from methods.heads.eagle.batch_state import BatchHeadCache
@@ -43,7 +43,7 @@ from methods.heads.eagle.head import EagleHead
 from methods.heads.eagle.state import HeadCache
 from methods.heads.eagle.train import EagleTrainConfig, new_head
 from specsim.config import MethodConfig, TreeConfig, TreeKind, Verifier
-from specsim.tree import Tree
+from specsim.tree import Tree, cut, subtree
 
 _SAMPLED = {Verifier.specinfer: "with_replacement", Verifier.chain: "with_replacement",
             Verifier.sequoia: "without"}
@@ -250,7 +250,7 @@ class EagleDrafter:
         the host in numpy (node → row of the level's g, the children's tokens). Sampled children come with
         q's rows for the rejection verifiers; children beyond q's support (draws without replacement) or the
         vocabulary are dropped with their subtrees."""
-        tree = _cut(self.tree, depth)
+        tree = cut(self.tree, depth)
         if self.mode == "topk" and tree.size == tree.depth + 1 and self.fast_chain:
             return self._chain(tree, root, ctx.tokens.device)
         plan = self._plans.get(tree) or self._plans.setdefault(tree, _Plan.of(tree))
@@ -397,12 +397,6 @@ def _rerank(par, tok, rank, score, dep, total, root) -> tuple[list[int], np.ndar
             np.concatenate([[0.0], score[chosen]]))
 
 
-def _cut(tree: Tree, depth: int) -> Tree:
-    if tree.depth <= depth:
-        return tree
-    return subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
-
-
 def _dynamic_budget(dyn: Dynamic) -> Tree:
     """The static tree reported for a dynamic one (its size and depth): a k-ary tree cut to total_tokens."""
     full = Tree.kary(dyn.top_k, dyn.depth)
@@ -511,7 +505,7 @@ class BatchEagle:
 
     def _static(self, roots: torch.Tensor, depths: list[int]) -> BatchDraft:
         one, cache, depth = self.one, self.cache, max(depths)
-        tree = _cut(one.tree, depth)
+        tree = cut(one.tree, depth)
         plan = one._plans.get(tree) or one._plans.setdefault(tree, _Plan.of(tree))
         b = len(depths)
         tokens = np.repeat(roots.numpy()[:, None], tree.size, 1)  # (B, N)

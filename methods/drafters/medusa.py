@@ -36,7 +36,7 @@ from methods.core.drafter import (
     leave_slot,
     root_only,
 )
-from methods.core.loop import kept_nodes, subtree
+from methods.core.loop import kept_nodes
 from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.core.verify import VERIFIER_PARAMS
 from methods.drafters.params import checked_params
@@ -45,7 +45,7 @@ from methods.heads.medusa.heads import HeadsConfig, MedusaHeads
 from methods.heads.medusa.train import TrainConfig
 from methods.heads.medusa.tree import greedy_tree
 from specsim.config import MethodConfig, Verifier
-from specsim.tree import Tree
+from specsim.tree import Tree, subtree
 
 _SAMPLED = {
     Verifier.specinfer: "with_replacement",

@@ -31,12 +31,11 @@ from methods.core.drafter import (
     leave_slot,
     root_only,
 )
-from methods.core.loop import subtree
 from methods.core.sampling import SamplingParams, probs
 from methods.drafters.params import checked_params
 from methods.heads.mtp.module import MTPModules
 from specsim.config import MethodConfig, Verifier
-from specsim.tree import Tree
+from specsim.tree import Tree, cut, subtree
 
 _SAMPLED = {Verifier.chain, Verifier.specinfer}
 
@@ -188,10 +187,7 @@ class MTPDrafter:
 
     def _layout(self, depth: int) -> Tree:
         if depth not in self._cut:
-            tree = self.tree
-            if tree.depth > depth:
-                tree = subtree(tree, [i for i in range(tree.size) if tree.depths[i] <= depth])
-            self._cut[depth] = tree
+            self._cut[depth] = cut(self.tree, depth)
         return self._cut[depth]
 
     def batched(self, max_rows: int) -> BatchMTP:

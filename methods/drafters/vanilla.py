@@ -19,11 +19,11 @@ import torch
 from methods.core.batch_engine import BatchEngine
 from methods.core.drafter import BatchContext, BatchDraft, BatchFeedback, Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
-from methods.core.loop import kept_nodes, subtree
+from methods.core.loop import kept_nodes
 from methods.core.sampling import SamplingParams, draw_candidates, probs
 from methods.core.verify import argmax_host
 from specsim.config import MethodConfig, Verifier
-from specsim.tree import Tree
+from specsim.tree import Tree, cut, subtree
 
 _MODES = {
     Verifier.greedy: "topk",
@@ -137,9 +137,7 @@ class DraftModelDrafter:
         return plan
 
     def _limit(self, max_new: int) -> Tree:
-        if self.tree.depth <= max_new:
-            return self.tree
-        return subtree(self.tree, [i for i in range(self.tree.size) if self.tree.depths[i] <= max_new])
+        return cut(self.tree, max_new)
 
     def _prune(self, draft: Draft, valid: torch.Tensor) -> Draft:
         """Drop children that had no q mass left to be drawn (and their subtrees)."""

@@ -35,8 +35,8 @@ from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.replay import RankRuns, loop_law
-from specsim.run_steps import RunShares, cut, room_mean, run_shares
-from specsim.tree import Tree
+from specsim.run_steps import RunShares, room_mean, run_shares
+from specsim.tree import Tree, cut
 from specsim.trees import build_tree, recorded_law
 
 PROFILE_FORMAT = 10  # bump when what a profile means changes (8: 24 prompts; 9: costs as ratios of t(1) from

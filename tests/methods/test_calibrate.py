@@ -65,8 +65,8 @@ from specsim.config import Verifier
 from specsim.cost import DraftCost, MeasuredCost
 from specsim.expected import accepted_length_law
 from specsim.io import read_json
-from specsim.run_steps import cut, room_mean
-from specsim.tree import Tree
+from specsim.run_steps import room_mean
+from specsim.tree import Tree, cut
 
 BUDGETS = [1, 2, 4, 8]
 SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",

@@ -9,10 +9,10 @@ import torch
 
 from methods.core.drafter import Draft, DraftContext, StepFeedback
 from methods.core.engine import ModelEngine
-from methods.core.loop import DecodeOptions, decode, kept_nodes, limit_depth, subtree, verification_draft
+from methods.core.loop import DecodeOptions, decode, kept_nodes, limit_depth, verification_draft
 from methods.core.sampling import SamplingParams
 from methods.drafters.autoregressive import Autoregressive
-from specsim.tree import Tree
+from specsim.tree import Tree, subtree
 
 GREEDY = DecodeOptions(sampling=SamplingParams(temperature=0.0), max_new_tokens=20)
 

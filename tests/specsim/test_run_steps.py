@@ -7,8 +7,8 @@ import pytest
 
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import forwards_to_generate, room_visits
-from specsim.run_steps import cut, run_shares
-from specsim.tree import Tree
+from specsim.run_steps import run_shares
+from specsim.tree import Tree, cut
 
 
 def _cost(ratio: float = 0.5) -> CostModel:
