@@ -615,8 +615,6 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
     return interleaved(paths, cal.reps, cal.warmup)
 
 
-
-
 def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
     """Whether calibration times the drafter's loop on DRAFT_SHAPES beside its chain ``tree``: drafters that
     fill trees level by level with a model of their own (the draft model's, EAGLE's head: ``level_step``;
@@ -650,8 +648,6 @@ def shape_names(cfg: RunConfig) -> list[str]:
     """The shapes of DRAFT_SHAPES ``cfg``'s verifier verifies, and the calibration's own chain."""
     chains_only = Verifier(cfg.method.verifier) == Verifier.chain
     return [LOOP_SHAPE, *(name for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only)]
-
-
 
 
 def times_wide_loop(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:

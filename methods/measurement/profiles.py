@@ -368,7 +368,14 @@ def varied_sizes(counts: Mapping | None) -> dict[int, float] | None:
     total = sum(counts.values())
     if total <= 0 or sum(c >= SHORT_DRAFTS * total for c in counts.values()) < 2:
         return None
-    return {n: c / total for n, c in sorted(counts.items())}
+    return size_law(counts)
+
+
+def size_law(counts: Mapping | None) -> dict[int, float] | None:
+    """Counts (size → steps; keys str as stored, or int) as a law over the sizes; None where none."""
+    counts = {int(n): float(c) for n, c in (counts or {}).items()}
+    total = sum(counts.values())
+    return {n: c / total for n, c in sorted(counts.items())} if total > 0 else None
 
 
 def timed_forward_law(steady: Mapping | None, timed: Mapping | None,
@@ -385,9 +392,7 @@ def timed_forward_law(steady: Mapping | None, timed: Mapping | None,
     every step priced at its back-to-back t(k), where the loop paid 7.5% above them (quiet, 16 prompts)."""
     if varied_sizes(steady) is None or None in lengths or lengths[0] == lengths[1]:
         return None
-    counts = {int(n): float(c) for n, c in (timed or {}).items()}
-    total = sum(counts.values())
-    return {n: c / total for n, c in sorted(counts.items())} if total > 0 else None
+    return size_law(timed)
 
 
 def mean_forward_ratio(t_n_ratios: Mapping[int, float], law: Mapping[int, float]) -> float:
