@@ -80,11 +80,13 @@ def trace_counts(prof: Any) -> dict[str, float]:
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    runtime = [e.get("name", "") for e in events if e.get("cat") == "cuda_runtime"]
-    syncs = sum(1 for n in runtime if "Synchronize" in n or "MemcpyDtoH" in n
-                or (n.startswith("cudaMemcpy") and "Async" not in n))
+    runtime = [(e.get("name", ""), float(e.get("dur", 0.0))) for e in events
+               if e.get("cat") == "cuda_runtime"]
+    waits = [d for n, d in runtime if "Synchronize" in n or "MemcpyDtoH" in n
+             or (n.startswith("cudaMemcpy") and "Async" not in n)]
     return {"kernels": len(kernels), "device_ms": sum(float(e.get("dur", 0.0)) for e in kernels) / 1e3,
-            "launches": sum(1 for n in runtime if "LaunchKernel" in n or "cuLaunch" in n), "syncs": syncs}
+            "launches": sum(1 for n, _ in runtime if "LaunchKernel" in n or "cuLaunch" in n),
+            "syncs": len(waits), "sync_ms": sum(waits) / 1e3}
 
 
 def launch(reps: int = 2000, rounds: int = 5) -> dict[str, Any]:
@@ -149,8 +151,9 @@ def launch(reps: int = 2000, rounds: int = 5) -> dict[str, Any]:
             "graph_replay_host_us": 1e6 * statistics.median(replays)}
 
 
-def build(shape: dict[str, int], attention: str | None, device: Any, dtype: Any) -> Any:
-    """A random-init LlamaForCausalLM of ``shape``, created on ``device`` in ``dtype`` (no float32 copy)."""
+def build(shape: dict[str, int], attention: str | None, device: Any, dtype: Any, cls: Any = None) -> Any:
+    """A random-init LlamaForCausalLM of ``shape`` (or ``cls``, a copy of that class taking the same config),
+    created on ``device`` in ``dtype`` (no float32 copy)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -165,7 +168,7 @@ def build(shape: dict[str, int], attention: str | None, device: Any, dtype: Any)
     try:
         with torch.device(device), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            model = LlamaForCausalLM(cfg)
+            model = (cls or LlamaForCausalLM)(cfg)
     finally:
         torch.set_default_dtype(default)
     return model.eval()

@@ -325,3 +325,22 @@ def test_gpu_forward_reads_real_shapes_through_the_presets_defaults_and_times_a_
     # the same forward again (a fresh cache of 16 tokens) counts the same ops: the cache was cropped back
     again = gpu_forward.forward("random_tiny", [1, 3], context=16, reps=2, attention="eager")
     assert [r["kernels"] for r in again["rows"]] == [r["kernels"] for r in out["rows"]]
+
+
+def test_gpu_medusa_step_names_a_missing_checkout_and_times_parts_only_when_split(tmp_path):
+    """benchmarks/gpu_medusa_step.py runs Medusa's own code from a user-supplied checkout, never fetched: a
+    folder without Medusa's package is refused by name; its clock records the parts of a step only in the
+    split pass (the timed generations run untouched, as the answer files time them)."""
+    from benchmarks import gpu_medusa_step as g
+
+    with pytest.raises(SystemExit, match="not a FasterDecoding/Medusa checkout"):
+        g.medusa_api(tmp_path)
+    synced = []
+    off, on = g.Clock(lambda: synced.append(1), split=False), g.Clock(lambda: synced.append(1), split=True)
+    for clock in (off, on):
+        clock.start()
+        for part in g.PARTS:
+            clock.lap(part)
+    assert all(v == [] for v in off.parts.values())
+    assert all(len(v) == 1 and v[0] >= 0 for v in on.parts.values())
+    assert len(synced) == 1 + len(g.PARTS)
