@@ -36,6 +36,12 @@ QPASS_CHAIN, QPASS = "qpass_chain", "qpass"
 # (QSHAPE, name): the drafter's draft per speculation step in the decode loop on the tree ``name``
 # (methods.measurement.calibrate.DRAFT_SHAPES; "loop": the calibration's own chain)
 QSHAPE = "qshape"
+# (QFIRST, name): on that shape's decodes, the first step's proposal beyond a later step's: work a drafter
+# does once per generation in its first step (EAGLE's head appends the prompt's rows to its cache there: 3-4
+# t(1) on the 384-token grounded prompts, ~1 on the 128-token ones), which QSHAPE leaves out of its per-step
+# figure
+# (methods.measurement.calibrate.FirstDraftTimer; profiles.first_draft_s prices it per generation)
+QFIRST = "qfirst"
 # (VLOOP, n): the loop's verification per speculation step (verify forward and walk) with the drafter built
 # on a wide tree of n nodes, beside VERIFY on its own tree: how the forward's excess over the timed t(n)
 # grows with the tree (methods.measurement.profiles.forward_excess_ratio)
@@ -93,8 +99,9 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
               if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
     dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
     med = {k: statistics.median(v) for k, v in loop.items()}
+    kinds = (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE, QFIRST, VLOOP)
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
-             if isinstance(k, tuple) and k[0] in (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
+             if isinstance(k, tuple) and k[0] in kinds}
     counted: dict[int, float] = {}  # counts, not times: summed over the rounds (a round may lack a size)
     for r in rounds:
         for k, c in r.items():

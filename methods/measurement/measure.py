@@ -241,6 +241,8 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     metrics.update({
         "tree_size": tree.size,
         "tree_depth": tree.depth,
+        # the tree priced (Sequoia: as selected on the measured vector): its draft can be re-priced afterwards
+        "tree_parents": list((sequoia_tree or tree).parents),
         "lossless": cfg.method.lossless,
         "backbone": backbone_name,  # the target the method and the baseline both decoded
         "dtype": str(models.dtype).removeprefix("torch."),
@@ -437,7 +439,7 @@ def calibrated_costs(cfg: RunConfig, profile) -> dict[str, Any]:
                    verify_reuse_ratio_config=cfg.method.verify_reuse_ratio)
     # the timings behind the draft's price (a profile timed on a busy machine is not cached: kept here)
     for key in ("loop_draft_forwards_per_step", "loop_mean_draft_length", "draft_level_ratios",
-                "draft_shape_ratios"):
+                "draft_shape_ratios", "draft_first_excess_ratios"):
         if key in profile.extra:
             out[f"calibration_{key}"] = profile.extra[key]
     terms = draft_terms(profile)

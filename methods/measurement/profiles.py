@@ -986,15 +986,45 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         # a flipped estimator's variance they keep scales the prediction's own standard error
         # (analysis.validation_terms.prediction_standard_error)
         here, preset = ({**d, "predicted_tau_star_variance_ratio": float(kept)} for d in (here, preset))
+    # the draft priced on the shapes' per-step terms, which leave out what a generation's first step does
+    # once (calibrate.FirstDraftTimer): priced per generation (a dynamic drafter priced on the loop's own
+    # per-step draft, ``dynamic_draft_s``, has it in that figure)
+    first = first_draft_s(profile) if cfg.method.draft_steps == "depth" and not (
+        shapes and dynamic_draft_s(profile, shapes) is not None) else 0.0
     if exits is not None:  # an adaptive exit drafts fewer levels than its chain: the room cuts only the
         # drafts longer than it, which the chain's shares over-state (not modelled: the full exit step stands)
-        return _run_steps(here, RunShares(1.0, 1.0)), _run_steps(preset, RunShares(1.0, 1.0))
+        here = _with_first_draft(_run_steps(here, RunShares(1.0, 1.0)), first, n)
+        return here, _run_steps(preset, RunShares(1.0, 1.0))
     spare = cfg.method.room_spare
     here = _run_steps(here, run_shares(CostModel.from_config(here_cfg, measured, draft_levels(cfg, profile)),
                                        tree, np.asarray(here["tau_law"]), n, spare))
+    here = _with_first_draft(here, first, n)
     preset = _run_steps(preset, run_shares(CostModel.from_config(preset_cfg), tree,
                                            np.asarray(preset["tau_law"]), n, spare))
     return here, preset
+
+
+def first_draft_s(profile: Profile) -> float:
+    """Seconds a generation's first draft step pays beyond a later one, once per generation, where the draft
+    is priced on the shapes' per-step terms (:func:`draft_terms`, which leave it out): the mean over the timed
+    shapes of the first proposal's excess (``draft_first_excess_ratios``, calibrate.FirstDraftTimer). EAGLE's
+    head appends the prompt's rows to its cache in its first step: 3-4 t(1) on the 384-token grounded
+    prompts. 0 for profiles without it (their shapes' ratios have it shared out per step)."""
+    if draft_terms(profile) is None:
+        return 0.0
+    excess = [float(r) for r in (profile.extra.get("draft_first_excess_ratios") or {}).values()]
+    return max(0.0, float(np.mean(excess))) * profile.t_ar_s if excess else 0.0
+
+
+def _with_first_draft(base: dict[str, Any], first_s: float, n_tokens: int) -> dict[str, Any]:
+    """``base`` (its run's mean step, :func:`_run_steps`) with the draft's once-per-generation ``first_s``
+    shared over the generation's N / τ_N steps (``predicted_t_draft_first_s``: it, for comparison)."""
+    if first_s <= 0 or n_tokens <= 0:
+        return base
+    draft = base["t_draft_run_s"] + first_s * base["tokens_per_forward"] / n_tokens
+    return {**base, "t_draft_run_s": draft, "predicted_t_draft_first_s": first_s,
+            "predicted_decode_speedup": base["tokens_per_forward"] * base["t_ar_s"] / (
+                draft + base["t_verify_run_s"])}
 
 
 def _run_steps(base: dict[str, Any], shares: RunShares) -> dict[str, Any]:

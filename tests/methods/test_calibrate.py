@@ -697,6 +697,8 @@ def test_eagle_profile_has_a_vector_per_depth_of_its_law(run_config, tiny_models
     assert shapes == {"loop": (3, 3), "chain1": (1, 1), "star8": (1, 8), "fan4": (2, 8), "fan2": (2, 4),
                       WIDE_SHAPE: (5, 31)}  # the wide tree the loop's verification is timed on, its draft too
     assert all(s["ratio"] > 0 for s in prof.extra["draft_shape_ratios"])
+    # each shape's first step timed apart (its excess priced once per generation: profiles.first_draft_s)
+    assert set(prof.extra["draft_first_excess_ratios"]) == set(shapes)
     # the loop's verification on a wide tree, and that tree's forward, in the same rounds
     assert set(prof.extra["loop_verify_wide"]) == {str(WIDE_NODES)} and WIDE_NODES in prof.t_n_ratios
     assert prof.extra["loop_verify_wide"][str(WIDE_NODES)] > 0
@@ -1602,3 +1604,66 @@ def test_a_draft_timed_per_step_over_the_calibrations_cut_steps_is_priced_as_a_f
     assert apply_profile(cfg, prof).method.draft_cost_ratio == pytest.approx(plain * 28 / 26)
     assert calibration_cut_share(prof, one_pass=False) == pytest.approx(26 / 28)
     assert calibration_cut_share(prof, one_pass=True) == pytest.approx(1.0)  # one pass at every room
+
+
+def test_a_generations_first_draft_is_priced_once_per_generation(run_config):
+    """Work a drafter does once per generation in its first step (EAGLE's head appends the prompt's rows to
+    its cache: 3-4 t(1) on the grounded workload's 384-token prompts) is timed apart from the shapes' per-step
+    draft and priced once per generation: E · τ_N / N on the run's mean step, less per step the longer the
+    generation. Fitted per step on the calibration's 32-token loops, it priced EAGLE-1's trees' draft 5-19%
+    high on the grounded rows (quiet sweep zoo10). The full step (the steady speedup's) does not pay it."""
+    plain = _shaped_profile(0.2, 0.28, 0.02, 0.1)
+    prof = dataclasses.replace(plain, extra={**plain.extra, "draft_first_excess_ratios": {"loop": 3.0,
+                                                                                          "chain1": 2.0}})
+    seq = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3, 4, 6, 8])
+    added = {}
+    for n in (32, 48, 400):
+        cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4", f"workload.max_new_tokens={n}")
+        base, here = tree_predictions(cfg, plain, seq)[0], tree_predictions(cfg, prof, seq)[0]
+        assert here["t_draft_s"] == base["t_draft_s"]  # the full step: unchanged
+        added[n] = here["t_draft_run_s"] - base["t_draft_run_s"]
+        assert added[n] == pytest.approx(2.5 * prof.t_ar_s * here["tokens_per_forward"] / n)
+        assert here["predicted_decode_speedup"] == pytest.approx(
+            here["tokens_per_forward"] * here["t_ar_s"] / (here["t_draft_run_s"] + here["t_verify_run_s"]))
+        assert here["predicted_decode_speedup"] < base["predicted_decode_speedup"]
+        assert prediction_metrics(cfg, here, here)["predicted_t_draft_first_s"] == pytest.approx(
+            2.5 * prof.t_ar_s)
+    assert added[32] > added[48] > added[400] > 0
+    shapes = {**prof.extra, "draft_shape_ratios": []}  # no per-step terms: the draft's own figure has it
+    none = dataclasses.replace(prof, extra=shapes)
+    cfg = run_config("method=vanilla", "tree=chain", "tree.gamma=4")
+    assert "predicted_t_draft_first_s" not in tree_predictions(cfg, none, seq)[0]
+
+
+def test_the_first_draft_timer_takes_the_first_steps_excess_out_of_the_shapes_step(monkeypatch):
+    """The calibration's loops time each generation's first proposal apart (calibrate.FirstDraftTimer): its
+    excess over the later ones, E, is (QFIRST, shape), and the shape's per-step draft leaves it out."""
+    clock = [0.0]
+    monkeypatch.setattr(calibrate_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Fake:
+        costs: list[float] = []
+
+        def reset(self, prompt):
+            pass
+
+        def propose(self, ctx):
+            clock[0] += self.costs.pop(0)
+            return "draft"
+
+        level_step = "delegated"
+
+    inner = Fake()
+    timer = calibrate_module.FirstDraftTimer(inner)
+    for costs in ([5.0, 1.0, 1.0, 1.0], [4.0, 2.0, 2.0]):  # two generations: E = 4.5 - 1.5
+        inner.costs = list(costs)
+        timer.reset(None)
+        for _ in costs:
+            assert timer.propose(None) == "draft"
+    assert timer.level_step == "delegated"
+    r = SimpleNamespace(time_draft_s=18.0, n_target_forwards=7)
+    out = calibrate_module._steady_draft(r, timer, "fan4")
+    assert out[(calibrate_module.QFIRST, "fan4")] == pytest.approx(3.0)
+    assert out[(calibrate_module.QSHAPE, "fan4")] == pytest.approx((18.0 - 3.0) / 7)
+    one = calibrate_module.FirstDraftTimer(Fake())
+    assert one.excess_s() == 0.0  # nothing timed: nothing to take out
