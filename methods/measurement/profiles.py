@@ -34,7 +34,7 @@ from specsim.io import atomic_write_json, read_json
 from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
-from specsim.replay import RankRuns, loop_law
+from specsim.replay import RankRuns, flips_integrated, hit_vectors, loop_law
 from specsim.run_steps import RunShares, room_mean, run_shares
 from specsim.tree import Tree, cut
 from specsim.trees import build_tree, recorded_law
@@ -834,12 +834,25 @@ def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | N
     makes the loop that walk: greedy at temperature 0, or one-hot drafts (deterministic) at T > 0 along the
     trajectories sampled from p (calibrate.trajectory_ranks); None otherwise (the measured vectors' law
     stands). The tree's children must be the drafter's top-k under its law at the accepted prefix, as the
-    stars were: every static or Sequoia tree of a law drafter."""
+    stars were: every static or Sequoia tree of a law drafter. At T > 0 each root's rank is one draw, so
+    the replay's level is that draw's: the verifier's coin flips are integrated out against the exact
+    vectors of the same positions (specsim.replay.flips_integrated)."""
     runs = profile.extra.get("rank_runs")
     walks = cfg.workload.temperature == 0 or Verifier(cfg.method.verifier) == Verifier.deterministic
     if not runs or not walks or tree.size < 2:
         return None
-    return loop_law(RankRuns.from_json(runs), tree)
+    runs = RankRuns.from_json(runs)
+    law = loop_law(runs, tree)
+    if cfg.workload.temperature == 0:  # the replay's ranks are the vectors' own: no flips to integrate
+        return law
+    exact = measured_acceptance(cfg, profile).method.acceptance
+    hits = copy.deepcopy(exact)
+    vectors = [drafter_vector(cfg, v) for v in hit_vectors(runs, profile.width)]
+    if exact.kind == AcceptanceKind.depth_vector:
+        assert len(vectors) == len(exact.by_depth_vectors), "rank runs and vectors of other depths"
+        hits.by_depth_vectors = vectors
+    hits.vector = vectors[0]
+    return flips_integrated(law, tree, from_config(hits), from_config(exact))
 
 
 def served_law_for(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
