@@ -994,7 +994,8 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         here = _sized_summary(here, sizes, loop)
         preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time)
     kept = (profile.extra.get("star_exact") or {}).get("variance_ratio")
-    if kept is not None and one_law and replayed is None and served is None:
+    flips_out = replayed is None or cfg.workload.temperature > 0  # a T > 0 replay's level is the vectors'
+    if kept is not None and one_law and flips_out and served is None:
         # τ from the star vectors, read without the verifier's coin flips (calibrate.star_ranks): the share of
         # a flipped estimator's variance they keep scales the prediction's own standard error
         # (analysis.validation_terms.prediction_standard_error)

@@ -1321,8 +1321,8 @@ def test_one_hot_tau_at_t1_takes_its_level_from_the_exact_vectors(run_config):
     """T = 1, one-hot drafts (deterministic): the replay walks one sampled trajectory per prompt, whose
     tokens hit rank 0 at 0.6 (replay τ 59/23 = 2.565 on a chain of 3, its own ranks' i.i.d. law 2.176),
     while the exact vector (the coin flips integrated out) says p_1 = 1/2 (i.i.d. 1.875): the prediction
-    keeps the replay's structure and takes the exact level, 2.565 − 2.176 + 1.875. At T = 0 the replay
-    stands as it is."""
+    keeps the replay's structure and takes the exact level, 2.565 − 2.176 + 1.875, and the prediction's
+    standard error is the exact vectors' (their variance ratio). At T = 0 the replay stands as it is."""
     from methods.measurement.profiles import replayed_law
 
     tree = Tree.chain(3)
@@ -1334,9 +1334,12 @@ def test_one_hot_tau_at_t1_takes_its_level_from_the_exact_vectors(run_config):
     law = replayed_law(one_hot, prof, tree)
     assert law.sum() == pytest.approx(1.0) and law.min() >= 0
     assert float(np.dot(np.arange(law.size), law)) == pytest.approx(want)
-    assert tree_predictions(one_hot, prof, tree)[0]["predicted_tau"] == pytest.approx(want)
+    prof.extra["star_exact"] = {"variance_ratio": 0.6}  # the flips' share of the variance gone with them
+    here = tree_predictions(one_hot, prof, tree)[0]
+    assert here["predicted_tau"] == pytest.approx(want) and here["predicted_tau_star_variance_ratio"] == 0.6
     greedy = run_config("method=staged", "workload.max_new_tokens=48")
     assert float(np.dot(np.arange(5), replayed_law(greedy, prof, tree))) == pytest.approx(59 / 23)
+    assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, prof, tree)[0]
 
 
 def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
