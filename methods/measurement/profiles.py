@@ -982,6 +982,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     replayed = replayed_law(cfg, profile, tree) if one_law else None
     if replayed is not None:  # temperature 0: the loop replayed on the calibration's trajectories
         here, preset = _law_summary(here, replayed, n), _law_summary(preset, replayed, n)
+        if cfg.workload.temperature > 0:  # for comparison: τ of the replay's own draw, flips not integrated
+            drawn = loop_law(RankRuns.from_json(profile.extra["rank_runs"]), tree)
+            here, preset = ({**d, "predicted_tau_replay_draw": float(np.dot(np.arange(drawn.size), drawn))}
+                            for d in (here, preset))
     served = served_law_for(cfg, profile, tree) if one_law else None
     if served is not None:  # a drafter that learns between requests: the run's requests' mixture
         here, preset = _law_summary(here, served, n), _law_summary(preset, served, n)

@@ -1337,6 +1337,7 @@ def test_one_hot_tau_at_t1_takes_its_level_from_the_exact_vectors(run_config):
     prof.extra["star_exact"] = {"variance_ratio": 0.6}  # the flips' share of the variance gone with them
     here = tree_predictions(one_hot, prof, tree)[0]
     assert here["predicted_tau"] == pytest.approx(want) and here["predicted_tau_star_variance_ratio"] == 0.6
+    assert here["predicted_tau_replay_draw"] == pytest.approx(59 / 23)  # the draw's own, for comparison
     greedy = run_config("method=staged", "workload.max_new_tokens=48")
     assert float(np.dot(np.arange(5), replayed_law(greedy, prof, tree))) == pytest.approx(59 / 23)
     assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, prof, tree)[0]
