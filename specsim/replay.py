@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specsim.acceptance import AcceptanceLike
+from specsim.expected import accepted_length_law
 from specsim.tau_error import steady_lengths
 from specsim.tree import Tree
 
@@ -116,3 +118,34 @@ def lengths_law(generations: Sequence[Sequence[int]], n_tokens: int, depth: int)
             law[min(k, depth + 1)] += 1
     assert law.sum() > 0, "no steady step in the generations"
     return law / law.sum()
+
+
+def hit_vectors(runs: RankRuns, width: int) -> list[list[float]]:
+    """Per recorded depth, the positional vector ``[0, p_1, …, p_W, p_none]`` of the ranks the trajectories'
+    own tokens took (rank −1 or ≥ W: none): the replay's acceptance, marginal over its roots."""
+    out = []
+    for d in range(runs.depths):
+        ranks = np.concatenate([np.asarray(p[d], dtype=np.int64) for p in runs.prompts])
+        counts = np.bincount(np.where((ranks >= 0) & (ranks < width), ranks, width), minlength=width + 1)
+        out.append([0.0, *(counts / max(1, ranks.size)).tolist()])
+    return out
+
+
+def flips_integrated(law: np.ndarray, tree: Tree, hits: AcceptanceLike, exact: AcceptanceLike) -> np.ndarray:
+    """The replayed ``law`` of τ with the verifier's coin flips integrated out (temperature > 0): the
+    replay walks ONE sampled trajectory per prompt, so its level carries the luck of those draws (whether
+    the sampled token happened to be q's top-1), which every row of a workload × drafter shares, while the
+    calibration also has each position's exact law of that rank (``exact``: the star vectors). A control
+    variate on the pmf: ``law`` − the i.i.d. tree law of the replay's own rank marginals (``hits``) + the
+    i.i.d. law of the exact vectors — the replay keeps what the vectors miss (acceptance in runs, steps
+    rooted where the text is hard) and the exact vectors set the level. The calibration's code trajectories
+    hit q's top-1 at 0.289 where the exact law is 0.258 (2.8 binomial s.e., shared by Staged SD, EAGLE-3
+    and Medusa's code profiles), so staged code T = 1 was predicted τ +3.3% from that draw alone. At
+    temperature 0 the two vectors are the same ranks and the law is unchanged. Entries the shift would push
+    below 0 are clipped and the rest renormalised (τ then moves by less than the shift): only where the
+    replay's law is far narrower than the i.i.d. ones, which the calibration's trajectories are not."""
+    base, got = accepted_length_law(tree, hits), accepted_length_law(tree, exact)
+    n = max(law.size, base.size)
+    out = np.clip(sum(np.pad(x, (0, n - x.size)) * s for x, s in ((law, 1), (base, -1), (got, 1))), 0.0, None)
+    out[0] = 0.0
+    return out / out.sum()

@@ -34,7 +34,7 @@ from specsim.io import atomic_write_json, read_json
 from specsim.learning import served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
-from specsim.replay import RankRuns, loop_law
+from specsim.replay import RankRuns, flips_integrated, hit_vectors, loop_law
 from specsim.run_steps import RunShares, room_mean, run_shares
 from specsim.tree import Tree, cut
 from specsim.trees import build_tree, recorded_law
@@ -834,12 +834,25 @@ def replayed_law(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | N
     makes the loop that walk: greedy at temperature 0, or one-hot drafts (deterministic) at T > 0 along the
     trajectories sampled from p (calibrate.trajectory_ranks); None otherwise (the measured vectors' law
     stands). The tree's children must be the drafter's top-k under its law at the accepted prefix, as the
-    stars were: every static or Sequoia tree of a law drafter."""
+    stars were: every static or Sequoia tree of a law drafter. At T > 0 each root's rank is one draw, so
+    the replay's level is that draw's: the verifier's coin flips are integrated out against the exact
+    vectors of the same positions (specsim.replay.flips_integrated)."""
     runs = profile.extra.get("rank_runs")
     walks = cfg.workload.temperature == 0 or Verifier(cfg.method.verifier) == Verifier.deterministic
     if not runs or not walks or tree.size < 2:
         return None
-    return loop_law(RankRuns.from_json(runs), tree)
+    runs = RankRuns.from_json(runs)
+    law = loop_law(runs, tree)
+    if cfg.workload.temperature == 0:  # the replay's ranks are the vectors' own: no flips to integrate
+        return law
+    exact = measured_acceptance(cfg, profile).method.acceptance
+    hits = copy.deepcopy(exact)
+    vectors = [drafter_vector(cfg, v) for v in hit_vectors(runs, profile.width)]
+    if exact.kind == AcceptanceKind.depth_vector:
+        assert len(vectors) == len(exact.by_depth_vectors), "rank runs and vectors of other depths"
+        hits.by_depth_vectors = vectors
+    hits.vector = vectors[0]
+    return flips_integrated(law, tree, from_config(hits), from_config(exact))
 
 
 def served_law_for(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray | None:
@@ -969,6 +982,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     replayed = replayed_law(cfg, profile, tree) if one_law else None
     if replayed is not None:  # temperature 0: the loop replayed on the calibration's trajectories
         here, preset = _law_summary(here, replayed, n), _law_summary(preset, replayed, n)
+        if cfg.workload.temperature > 0:  # for comparison: τ of the replay's own draw, flips not integrated
+            drawn = loop_law(RankRuns.from_json(profile.extra["rank_runs"]), tree)
+            here, preset = ({**d, "predicted_tau_replay_draw": float(np.dot(np.arange(drawn.size), drawn))}
+                            for d in (here, preset))
     served = served_law_for(cfg, profile, tree) if one_law else None
     if served is not None:  # a drafter that learns between requests: the run's requests' mixture
         here, preset = _law_summary(here, served, n), _law_summary(preset, served, n)
@@ -981,7 +998,8 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         here = _sized_summary(here, sizes, loop)
         preset = _sized_summary(preset, sizes, CostModel.from_config(preset_cfg).verify_time)
     kept = (profile.extra.get("star_exact") or {}).get("variance_ratio")
-    if kept is not None and one_law and replayed is None and served is None:
+    flips_out = replayed is None or cfg.workload.temperature > 0  # a T > 0 replay's level is the vectors'
+    if kept is not None and one_law and flips_out and served is None:
         # τ from the star vectors, read without the verifier's coin flips (calibrate.star_ranks): the share of
         # a flipped estimator's variance they keep scales the prediction's own standard error
         # (analysis.validation_terms.prediction_standard_error)

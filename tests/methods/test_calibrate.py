@@ -1319,6 +1319,32 @@ def test_greedy_tau_is_the_loop_replayed_on_the_trajectories(run_config):
     assert tree_predictions(sampled, prof, tree)[0]["predicted_tau"] == pytest.approx(3.05078125)
 
 
+def test_one_hot_tau_at_t1_takes_its_level_from_the_exact_vectors(run_config):
+    """T = 1, one-hot drafts (deterministic): the replay walks one sampled trajectory per prompt, whose
+    tokens hit rank 0 at 0.6 (replay τ 59/23 = 2.565 on a chain of 3, its own ranks' i.i.d. law 2.176),
+    while the exact vector (the coin flips integrated out) says p_1 = 1/2 (i.i.d. 1.875): the prediction
+    keeps the replay's structure and takes the exact level, 2.565 − 2.176 + 1.875, and the prediction's
+    standard error is the exact vectors' (their variance ratio). At T = 0 the replay stands as it is."""
+    from methods.measurement.profiles import replayed_law
+
+    tree = Tree.chain(3)
+    prof = dataclasses.replace(_profile(), acceptance_vector=(0.0, 0.5, 0.0, 0.0, 0.5))
+    prof.extra["rank_runs"] = [[[0, -1, 0, 0, -1, 0, 0, 0, -1, -1] * 6]]
+    one_hot = run_config("method=staged", "workload.temperature=1", "method.verifier=deterministic",
+                         "workload.max_new_tokens=48")
+    want = 59 / 23 - 2.176 + 1.875
+    law = replayed_law(one_hot, prof, tree)
+    assert law.sum() == pytest.approx(1.0) and law.min() >= 0
+    assert float(np.dot(np.arange(law.size), law)) == pytest.approx(want)
+    prof.extra["star_exact"] = {"variance_ratio": 0.6}  # the flips' share of the variance gone with them
+    here = tree_predictions(one_hot, prof, tree)[0]
+    assert here["predicted_tau"] == pytest.approx(want) and here["predicted_tau_star_variance_ratio"] == 0.6
+    assert here["predicted_tau_replay_draw"] == pytest.approx(59 / 23)  # the draw's own, for comparison
+    greedy = run_config("method=staged", "workload.max_new_tokens=48")
+    assert float(np.dot(np.arange(5), replayed_law(greedy, prof, tree))) == pytest.approx(59 / 23)
+    assert "predicted_tau_star_variance_ratio" not in tree_predictions(greedy, prof, tree)[0]
+
+
 def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     from methods.measurement.calibrate import records_rank_runs
 

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from specsim.acceptance import PositionalAcceptance
-from specsim.expected import expected_tokens
-from specsim.replay import RankRuns, accepted_drafts, lengths_law, loop_law, steady_lengths
+from specsim.expected import accepted_length_law, expected_tokens
+from specsim.replay import (
+    RankRuns,
+    accepted_drafts,
+    flips_integrated,
+    hit_vectors,
+    lengths_law,
+    loop_law,
+    steady_lengths,
+)
 from specsim.tau_error import steady_steps
 from specsim.tree import Tree
 
@@ -87,3 +95,24 @@ def test_the_loops_own_lengths_give_its_law_on_the_steady_steps():
     assert steady_steps(two, 10, 3) == [(0, 1), (1, 2), (3, 4), (7, 2)]  # each with the tokens before it
     law = lengths_law([one, two], 10, 3)
     assert law.tolist() == pytest.approx([0, 1 / 6, 2 / 6, 0, 3 / 6]) and _tau(law) == pytest.approx(17 / 6)
+
+
+def test_hit_vectors_are_the_ranks_the_trajectories_took():
+    """Per depth, [0, p_1..p_W, p_none] of the recorded ranks; −1 and ranks past W count as none."""
+    runs = RankRuns(((((0, 0, 1, -1, 5)), (0, -1, -1, -1, -1)),))
+    assert hit_vectors(runs, 2) == [[0.0, 0.4, 0.2, 0.4], [0.0, 0.2, 0.0, 0.8]]
+
+
+def test_flips_integrated_moves_the_replay_to_the_exact_level():
+    """The replay's law shifted by the exact vector's i.i.d. law minus its own ranks': unchanged where the
+    two vectors agree (temperature 0), τ moved by the difference of the two i.i.d. τ otherwise, a pmf."""
+    tree = Tree.chain(3)
+    runs = RankRuns(((tuple([0, -1, 0, 0, -1, 0, 0, 0, -1, -1] * 6),),))
+    law = loop_law(runs, tree)
+    hits = PositionalAcceptance(tuple(hit_vectors(runs, 1)[0]))  # p_1 = 0.6
+    assert np.allclose(flips_integrated(law, tree, hits, hits), law)
+    exact = PositionalAcceptance((0.0, 0.5, 0.5))
+    moved = flips_integrated(law, tree, hits, exact)
+    shift = _tau(accepted_length_law(tree, exact)) - _tau(accepted_length_law(tree, hits))
+    assert moved.sum() == pytest.approx(1.0) and moved.min() >= 0 and moved[0] == 0
+    assert _tau(moved) == pytest.approx(_tau(law) + shift) and shift < 0
