@@ -1080,8 +1080,8 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
     greedy = run_config("method=specinfer", "tree=chain", budgets)
-    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in shape_names(greedy)]
-    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before
+    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in [*shape_names(greedy), WIDE_SHAPE]]
+    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before (its draft on the wide tree too)
     # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
     online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
     assert remeasure_reason(dataclasses.replace(old, drafter="online"), online) == ""
