@@ -63,7 +63,14 @@ from methods.measurement.cost_table import (
     cost_table,
     scatter_reason,
 )
-from methods.measurement.draft_shapes import DRAFT_SHAPES, LOOP_SHAPE, WIDE_NODES, WIDE_SHAPE, wide_tree
+from methods.measurement.draft_shapes import (
+    DRAFT_SHAPES,
+    LOOP_SHAPE,
+    WIDE_NODES,
+    WIDE_SHAPE,
+    wide_member_tree,
+    wide_tree,
+)
 from methods.measurement.profiles import (
     LOOP_ACCEPTANCE,
     Profile,
@@ -707,23 +714,32 @@ def times_wide_loop(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
     """Whether calibration times the loop's verification on a wide tree (:func:`wide_drafter`): a drafter
     built on any tree level by level (the shapes' drafters) or a one-pass drafter following its tree
     (Medusa's ``with_tree``), whose own tree is smaller, under a verifier of trees; ``drafter`` an instance
-    or its class."""
+    or its class, ``tree`` the tree its levels fill (SpecInfer's member tree: :func:`shape_tree`). SpecInfer
+    too: its merged trees are timed at about their size (:func:`wide_shape_tree`); scaled in proportion to
+    t(n) from its loop's union of 3 chains of 4 (13 nodes) to the zoo's 61-node tree, its verify read 1-5%
+    and its draft 2-5% of the step low (zoo10)."""
     if Verifier(cfg.method.verifier) == Verifier.chain or tree.size >= WIDE_NODES:
         return False
-    if getattr(drafter, "fills_member_trees", False):  # SpecInfer: its verified tree is the members' union,
-        return False  # not a tree it can be rebuilt on; its excess stays in proportion to t(n)
     return times_draft_shapes(drafter, cfg, tree) or times_pass_per_tree(drafter, cfg)
 
 
 def wide_drafter(run: _Run) -> Any | None:
     """The drafter on a tree of about WIDE_NODES nodes (None where :func:`times_wide_loop` is false): a
-    one-pass drafter on its own kind of tree as deep as it drafts (pass_tree), else on :func:`wide_tree`."""
-    if not times_wide_loop(run.drafter, run.cfg, run.tree):
+    one-pass drafter on its own kind of tree as deep as it drafts (pass_tree), else on
+    :func:`wide_shape_tree` (SpecInfer: its member tree, merged from its K members)."""
+    if not times_wide_loop(run.drafter, run.cfg, shape_tree(run)):  # SpecInfer: its member tree
         return None
     if times_pass_per_tree(run.drafter, run.cfg):
         top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
         return run.drafter.with_tree(pass_tree(WIDE_NODES, int(run.drafter.max_depth), top_k))
-    return build_drafter(run.cfg.method, wide_tree(), run.models, run.sampling)
+    return build_drafter(run.cfg.method, wide_shape_tree(run), run.models, run.sampling)
+
+
+def wide_shape_tree(run: _Run) -> Tree:
+    """The tree the wide loop's drafter is built on, the draft shape WIDE_SHAPE: :func:`wide_tree`, or for a
+    drafter that fills member trees (SpecInfer), :func:`wide_member_tree`: the depth and, merged, the size
+    its trees run at."""
+    return wide_member_tree() if getattr(run.drafter, "fills_member_trees", False) else wide_tree()
 
 
 LEVEL_WIDTHS = (1, 2, 4, 8, 16, 32)  # draft levels timed per width (nodes fed), up to the largest size
@@ -1246,10 +1262,10 @@ def _exact_extra(ranks: Sequence[Rank], sizes: Sequence[int] = ()) -> dict[str, 
 
 
 def _shape_extra(run: _Run, t: CostTable) -> dict[str, Any]:
-    trees = {LOOP_SHAPE: shape_tree(run), **DRAFT_SHAPES, WIDE_SHAPE: wide_tree()}
+    trees = {LOOP_SHAPE: shape_tree(run), **DRAFT_SHAPES, WIDE_SHAPE: wide_shape_tree(run)}
     fed = DraftCost(fed_width=True).widths  # the nodes fed to the drafter per level
     shapes = [{"shape": name, "levels": trees[name].depth, "nodes": trees[name].size - 1,
-               "fed": fed(trees[name]), "ratio": r}
+               "fed": fed(trees[name]), "parents": list(trees[name].parents), "ratio": r}
               for (kind, name), r in t.verify_step_ratios.items() if kind == QSHAPE]
     return {"draft_shape_ratios": shapes} if shapes else {}
 

@@ -38,3 +38,26 @@ WIDE_NODES = 32
 def wide_tree(n: int = WIDE_NODES) -> Tree:
     """The binary tree of n nodes (node i's parent (i − 1) // 2): the shape the walk is timed on per size."""
     return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
+
+
+
+# SpecInfer's verified tree is the merge of K member trees (one per draft model, shared prefixes once): on the
+# zoo 3 drafts each fill the preset's 21-node member tree (8 levels: <1, 1, 3, 1, 1, 1, 1, 1>), a 61-node
+# union. Its wide loop is the drafter on member trees of that shape (:func:`wide_member_tree`): its
+# verification's excess and its draft are timed at the size and depth it runs. Scaled in proportion to t(n)
+# from the union of 3 chains of 4 (13 nodes, 5-13 verified), the six zoo10 rows read their verify
+# 1-5% of the step low; a binary member tree of 21 nodes (4 levels, a 64-node union) read the T = 1 draft of
+# the 8-level member tree 29% low (code, load): at T = 1 the member's draft per level grows with the depth
+# (the binary tree's 4 levels cost the loop what the chain of 4 did), which no shape 4 deep tells
+WIDE_MEMBER_DEPTH = 8
+WIDE_MEMBER_SPINE = 2  # levels of one node before the member tree branches
+WIDE_MEMBER_BRANCHES = 3
+
+
+def wide_member_tree(depth: int = WIDE_MEMBER_DEPTH, spine: int = WIDE_MEMBER_SPINE,
+                     branches: int = WIDE_MEMBER_BRANCHES) -> Tree:
+    """A chain of ``spine`` drafts, then ``branches`` chains from its end to ``depth`` (the SpecInfer
+    preset's member tree: 2 + 3 x 6 = 20 drafts)."""
+    head = [0] * spine
+    return Tree.from_paths([head[:d] for d in range(1, spine + 1)]
+                           + [head + [b] + [0] * j for b in range(branches) for j in range(depth - spine)])

@@ -566,7 +566,8 @@ def _fit_row(fed: list[int], nodes: int, growth: MeasuredCost) -> list[float]:
 def _shape_tree(shape: dict[str, Any], fed: list[int]) -> Tree | None:
     """The tree a timed shape's loop drafted (draft_shapes), or None where the record does not name one."""
     name, levels = shape.get("shape"), int(shape["levels"])
-    tree = (DRAFT_SHAPES.get(name) or (Tree.chain(levels) if name == LOOP_SHAPE else None)
+    tree = (Tree.from_parents(shape["parents"]) if shape.get("parents")  # recorded since the eleventh session
+            else DRAFT_SHAPES.get(name) or (Tree.chain(levels) if name == LOOP_SHAPE else None)
             or (wide_tree(int(shape["nodes"]) + 1) if name == WIDE_SHAPE else None))
     widths = DraftCost(fed_width=True).widths(tree) if tree is not None else None
     return tree if widths == fed and tree.size - 1 == int(shape["nodes"]) else None

@@ -931,8 +931,13 @@ def test_specinfer_profile_replays_its_drafts(run_config, tiny_models, cache):
     assert here["predicted_mean_verify_tokens"] == pytest.approx(mean)
     # the loop timed on member trees of every shape (each draft model fills one); the loop on its member chain
     shapes = {s["shape"]: s for s in prof.extra["draft_shape_ratios"]}
-    assert set(shapes) == {"loop", "chain1", "star8", "fan4", "fan2"} and shapes["loop"]["nodes"] == 3
+    assert set(shapes) == {"loop", "chain1", "star8", "fan4", "fan2", WIDE_SHAPE}
+    assert shapes["loop"]["nodes"] == 3
     assert all(s["ratio"] > 0 for s in shapes.values())
+    # ... and its verification on member trees of the depth and size it runs (20 drafts, 8 deep, each)
+    assert shapes[WIDE_SHAPE]["nodes"] == 20 and shapes[WIDE_SHAPE]["levels"] == 8
+    assert set(prof.extra["loop_verify_wide"]) == {"61"} and 61 in prof.t_n_ratios
+    assert all(1 <= int(n) <= 61 for n in prof.extra["loop_verify_wide_sizes"])
 
 
 def test_specinfer_draft_is_priced_on_each_members_tree(run_config):
@@ -1077,8 +1082,8 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
     greedy = run_config("method=specinfer", "tree=chain", budgets)
-    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in shape_names(greedy)]
-    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before
+    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in [*shape_names(greedy), WIDE_SHAPE]]
+    assert remeasure_reason(old, greedy) == ""  # greedy stars: as before (its draft on the wide tree too)
     # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
     online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
     assert remeasure_reason(dataclasses.replace(old, drafter="online"), online) == ""
@@ -1198,7 +1203,41 @@ def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_con
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
     assert "every tree shape" in remeasure_reason(prof, cfg)
     prof.extra["draft_shape_ratios"] = _shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"]
+    assert "wide tree" in remeasure_reason(prof, cfg)  # its loop at the merged size it runs (below)
+    prof.extra["loop_verify_wide"] = {"64": 3.0}
     assert remeasure_reason(prof, cfg) == ""
+
+
+def test_specinfer_times_its_loop_on_member_trees_of_the_depth_and_size_it_runs(run_config):
+    """SpecInfer's verified tree is the merge of its K members' trees: its calibration's loop (the union of 3
+    chains of 4, 13 nodes) is a quarter of the zoo's 61-node merged tree, and its verification's excess,
+    scaled from there in proportion to t(n), read the six zoo10 rows' verify 1-5% of the step low, their
+    draft (member trees 8 levels deep; timed shapes up to 4) 2-5% low. Its wide loop is the drafter on member
+    trees of the preset's shape (8 levels, 20 drafts each: a 61-node union); its draft there is a shape of the
+    draft's fit, recorded with its parents (profiles._shape_tree reads them back)."""
+    from methods.drafters.specinfer import SpecInferDrafter
+    from methods.measurement.calibrate import wide_shape_tree
+    from methods.measurement.draft_shapes import wide_member_tree
+    from methods.measurement.profiles import _shape_tree, profile_config
+    from specsim.multidraft import union_tree
+
+    cfg = profile_config(run_config("method=specinfer", "tree.budgets=[1,2,4,8]"))
+    assert times_wide_loop(SpecInferDrafter, cfg, depth_tree(cfg))  # its member chain, as remeasure asks
+    member = wide_member_tree()
+    preset = Tree.from_paths(run_config("method=specinfer").tree.paths)
+    assert sorted(member.paths) == sorted(preset.paths)  # the preset's member tree
+    assert member.depth == 8 and union_tree(member, 3).size == 61
+
+    class _Run:  # what wide_shape_tree reads of the calibration's run
+        drafter = SpecInferDrafter.__new__(SpecInferDrafter)
+
+    assert wide_shape_tree(_Run) == member
+    _Run.drafter = object()  # any other drafter: the binary tree of WIDE_NODES
+    assert wide_shape_tree(_Run) == wide_tree()
+    fed = [1, 1, 1, 3, 3, 3, 3, 3]
+    record = {"shape": WIDE_SHAPE, "levels": 8, "nodes": 20, "fed": fed, "parents": list(member.parents)}
+    assert _shape_tree(record, fed) == member
+    assert _shape_tree({**record, "parents": None}, fed) is None  # not the binary tree of 21 nodes'
 
 
 def test_a_wide_level_pays_per_fed_node_where_the_fans_tell_it(run_config):
