@@ -40,7 +40,6 @@ def wide_tree(n: int = WIDE_NODES) -> Tree:
     return Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
 
 
-
 # SpecInfer's verified tree is the merge of K member trees (one per draft model, shared prefixes once): on the
 # zoo 3 drafts each fill the preset's 21-node member tree (8 levels: <1, 1, 3, 1, 1, 1, 1, 1>), a 61-node
 # union. Its wide loop is the drafter on member trees of that shape (:func:`wide_member_tree`): its

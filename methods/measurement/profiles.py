@@ -1012,12 +1012,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
         shapes and dynamic_draft_s(profile, shapes) is not None) else 0.0
     if exits is not None:  # an adaptive exit drafts fewer levels than its chain: the room cuts only the
         # drafts longer than it, which the chain's shares over-state (not modelled: the full exit step stands)
-        here = _with_first_draft(_run_steps(here, RunShares(1.0, 1.0)), first, n)
-        return here, _run_steps(preset, RunShares(1.0, 1.0))
+        return _run_steps(here, RunShares(1.0, 1.0), first, n), _run_steps(preset, RunShares(1.0, 1.0))
     spare = cfg.method.room_spare
     here = _run_steps(here, run_shares(CostModel.from_config(here_cfg, measured, draft_levels(cfg, profile)),
-                                       tree, np.asarray(here["tau_law"]), n, spare))
-    here = _with_first_draft(here, first, n)
+                                       tree, np.asarray(here["tau_law"]), n, spare), first, n)
     preset = _run_steps(preset, run_shares(CostModel.from_config(preset_cfg), tree,
                                            np.asarray(preset["tau_law"]), n, spare))
     return here, preset
@@ -1035,24 +1033,20 @@ def first_draft_s(profile: Profile) -> float:
     return max(0.0, float(np.mean(excess))) * profile.t_ar_s if excess else 0.0
 
 
-def _with_first_draft(base: dict[str, Any], first_s: float, n_tokens: int) -> dict[str, Any]:
-    """``base`` (its run's mean step, :func:`_run_steps`) with the draft's once-per-generation ``first_s``
-    shared over the generation's N / τ_N steps (``predicted_t_draft_first_s``: it, for comparison)."""
-    if first_s <= 0 or n_tokens <= 0:
-        return base
-    draft = base["t_draft_run_s"] + first_s * base["tokens_per_forward"] / n_tokens
-    return {**base, "t_draft_run_s": draft, "predicted_t_draft_first_s": first_s,
-            "predicted_decode_speedup": base["tokens_per_forward"] * base["t_ar_s"] / (
-                draft + base["t_verify_run_s"])}
-
-
-def _run_steps(base: dict[str, Any], shares: RunShares) -> dict[str, Any]:
+def _run_steps(base: dict[str, Any], shares: RunShares, first_s: float = 0.0,
+               n_tokens: int = 0) -> dict[str, Any]:
     """``base`` with the decode of its generation priced on the mean of the run's steps (specsim.run_steps):
     the draft and verify of each step priced as the full step's (``t_draft_s``, ``t_verify_s``), scaled by
     the shares the generation's cut last steps leave; the decode speedup τ_N · t(1) over that mean step.
-    EAGLE-1's Sequoia-32 trees at N = 48 paid 5-7% less draft per step than the full tree's."""
+    EAGLE-1's Sequoia-32 trees at N = 48 paid 5-7% less draft per step than the full tree's. A draft's
+    once-per-generation ``first_s`` (:func:`first_draft_s`) is shared over the generation's N / τ_N steps
+    (``predicted_t_draft_first_s``: it, for comparison)."""
     draft, verify = base["t_draft_s"] * shares.draft, base["t_verify_s"] * shares.verify
-    return {**base, "t_draft_run_s": draft, "t_verify_run_s": verify,
+    first = {}
+    if first_s > 0 and n_tokens > 0:
+        draft += first_s * base["tokens_per_forward"] / n_tokens
+        first = {"predicted_t_draft_first_s": first_s}
+    return {**base, **first, "t_draft_run_s": draft, "t_verify_run_s": verify,
             "predicted_decode_speedup": base["tokens_per_forward"] * base["t_ar_s"] / (draft + verify)}
 
 
