@@ -75,50 +75,72 @@ class Clock:
             self.t = now
 
 
-def medusa_generation(api: dict[str, Any], model: Any, prompt: Any, steps: int, eos: int,
-                      clock: Clock) -> tuple[int, int]:
-    """Medusa's greedy loop for ``steps`` steps (its answer script's order of calls): (steps, tokens)."""
-    u = api["u"]
-    buffers = model.medusa_buffers
+def medusa_start(api: dict[str, Any], model: Any, prompt: Any) -> dict[str, Any]:
+    """A Medusa generation's start (its cache emptied, the prompt prefilled): the state its steps carry."""
+    u, buffers = api["u"], model.medusa_buffers
     model.current_length_data.zero_()
     u.reset_medusa_mode(model)
     medusa_logits, logits = u.initialize_medusa(prompt, model, buffers["medusa_attn_mask"],
                                                 model.past_key_values)
-    input_ids, new_token, start = prompt.clone(), 0, prompt.shape[1]
+    return {"medusa_logits": medusa_logits, "logits": logits, "input_ids": prompt.clone(), "new_token": 0,
+            "start": prompt.shape[1]}
+
+
+def medusa_step(api: dict[str, Any], model: Any, state: dict[str, Any], eos: int, clock: Clock) -> None:
+    """One step of Medusa's greedy loop, in its answer script's order of calls (``state`` advanced)."""
+    u, buffers = api["u"], model.medusa_buffers
+    clock.start()
+    candidates, tree_candidates = u.generate_candidates(
+        state["medusa_logits"], state["logits"], buffers["tree_indices"], buffers["retrieve_indices"])
+    clock.lap("candidates")
+    medusa_logits, logits, outputs = u.tree_decoding(
+        model, tree_candidates, model.past_key_values, buffers["medusa_position_ids"], state["input_ids"],
+        buffers["retrieve_indices"])
+    clock.lap("tree_forward")
+    best, accept = u.evaluate_posterior(logits, candidates, 0.0, 0.09, 0.3)
+    clock.lap("posterior")
+    updated = u.update_inference_inputs(
+        state["input_ids"], candidates, best, accept, buffers["retrieve_indices"], outputs, logits,
+        medusa_logits, state["new_token"], model.past_key_values_data, model.current_length_data)
+    state["input_ids"], state["logits"], state["medusa_logits"], state["new_token"] = updated
+    clock.lap("update")
+    _ = eos in state["input_ids"][0, state["start"]:].tolist()  # the answer script's stop test: a sync
+    clock.lap("eos_check")
+
+
+def medusa_generation(api: dict[str, Any], model: Any, prompt: Any, steps: int, eos: int,
+                      clock: Clock) -> tuple[int, int]:
+    """Medusa's greedy loop for ``steps`` steps: (steps, tokens)."""
+    state = medusa_start(api, model, prompt)
     for _ in range(steps):
-        clock.start()
-        candidates, tree_candidates = u.generate_candidates(
-            medusa_logits, logits, buffers["tree_indices"], buffers["retrieve_indices"])
-        clock.lap("candidates")
-        medusa_logits, logits, outputs = u.tree_decoding(
-            model, tree_candidates, model.past_key_values, buffers["medusa_position_ids"], input_ids,
-            buffers["retrieve_indices"])
-        clock.lap("tree_forward")
-        best, accept = u.evaluate_posterior(logits, candidates, 0.0, 0.09, 0.3)
-        clock.lap("posterior")
-        input_ids, logits, medusa_logits, new_token = u.update_inference_inputs(
-            input_ids, candidates, best, accept, buffers["retrieve_indices"], outputs, logits, medusa_logits,
-            new_token, model.past_key_values_data, model.current_length_data)
-        clock.lap("update")
-        _ = eos in input_ids[0, start:].tolist()  # the answer script's stop test, a sync every step
-        clock.lap("eos_check")
-    return steps, int(input_ids.shape[1] - start)
+        medusa_step(api, model, state, eos, clock)
+    return steps, int(state["input_ids"].shape[1] - state["start"])
+
+
+def baseline_start(api: dict[str, Any], model: Any, prompt: Any) -> dict[str, Any]:
+    """The baseline's start on the same KV model (its cache emptied, the prompt prefilled)."""
+    model.current_length_data.zero_()
+    api["u"].reset_medusa_mode(model)
+    out = model.base_model(prompt, past_key_values=model.past_key_values, use_cache=True)
+    return {"out": out, "input_ids": prompt.clone(), "start": prompt.shape[1]}
+
+
+def baseline_token(model: Any, state: dict[str, Any], eos: int) -> None:
+    """One token of the baseline answer script's loop: one greedy token per forward, the same stop test."""
+    import torch
+
+    token = state["out"].logits[:, -1:].argmax(dim=-1)
+    state["out"] = model.base_model(token, use_cache=True, past_key_values=model.past_key_values)
+    state["input_ids"] = torch.cat([state["input_ids"], token], dim=-1)
+    _ = eos in state["input_ids"][0, state["start"]:].tolist()
 
 
 def baseline_generation(api: dict[str, Any], model: Any, prompt: Any, steps: int,
                         eos: int) -> tuple[int, int]:
-    """The baseline answer script's loop: one greedy token per forward of the same KV model."""
-    import torch
-
-    model.current_length_data.zero_()
-    api["u"].reset_medusa_mode(model)
-    out = model.base_model(prompt, past_key_values=model.past_key_values, use_cache=True)
-    input_ids, start = prompt.clone(), prompt.shape[1]
+    """The baseline answer script's loop for ``steps`` tokens: (steps, tokens)."""
+    state = baseline_start(api, model, prompt)
     for _ in range(steps):
-        token = out.logits[:, -1:].argmax(dim=-1)
-        out = model.base_model(token, use_cache=True, past_key_values=model.past_key_values)
-        input_ids = torch.cat([input_ids, token], dim=-1)
-        _ = eos in input_ids[0, start:].tolist()
+        baseline_token(model, state, eos)
     return steps, steps
 
 
@@ -174,37 +196,10 @@ def measure(api: dict[str, Any], model_name: str, shape: dict[str, int], prompt_
         medusa_generation(api, model, prompt, steps, eos, clock)
         split = {p: 1e3 * statistics.median(v) for p, v in clock.parts.items()}
         # one profiled step and one profiled token over the prompt's context (the kernels do not depend on it)
-        u, buffers = api["u"], model.medusa_buffers
-        model.current_length_data.zero_()
-        u.reset_medusa_mode(model)
-        medusa_logits, logits = u.initialize_medusa(prompt, model, buffers["medusa_attn_mask"],
-                                                    model.past_key_values)
-
-        def one_step() -> None:
-            cand, tree = u.generate_candidates(medusa_logits, logits, buffers["tree_indices"],
-                                               buffers["retrieve_indices"])
-            ml, lg, outputs = u.tree_decoding(
-                model, tree, model.past_key_values, buffers["medusa_position_ids"], prompt,
-                buffers["retrieve_indices"])
-            best, accept = u.evaluate_posterior(lg, cand, 0.0, 0.09, 0.3)
-            ids, *_ = u.update_inference_inputs(prompt, cand, best, accept, buffers["retrieve_indices"],
-                                                outputs, lg, ml, 0, model.past_key_values_data,
-                                                model.current_length_data)
-            _ = eos in ids[0, prompt.shape[1]:].tolist()
-
-        model.current_length_data.fill_(prompt.shape[1])
-        step_counts = counted(one_step, cuda, sync)
-        u.reset_medusa_mode(model)
-        model.current_length_data.fill_(prompt.shape[1])
-        token = prompt[:, -1:]
-
-        def one_token() -> None:
-            out = model.base_model(token, use_cache=True, past_key_values=model.past_key_values)
-            nxt = out.logits[:, -1:].argmax(dim=-1)
-            ids = torch.cat([prompt, nxt], dim=-1)
-            _ = eos in ids[0, prompt.shape[1]:].tolist()
-
-        token_counts = counted(one_token, cuda, sync)
+        state = medusa_start(api, model, prompt)
+        step_counts = counted(lambda: medusa_step(api, model, state, eos, off), cuda, sync)
+        state = baseline_start(api, model, prompt)
+        token_counts = counted(lambda: baseline_token(model, state, eos), cuda, sync)
     step_ms, token_ms = 1e3 * statistics.median(med), 1e3 * statistics.median(base_t)
     out = {"part": "medusa_step", "model": model_name, "shape": shape, "prompt_tokens": prompt_tokens,
            "steps": steps, "reps": reps, "tree_nodes": len(api["tree"]) + 1,
