@@ -3,6 +3,7 @@ per-term breakdown and the worst rows as Markdown (docs/validation.md is made fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,12 @@ def failures(df: pd.DataFrame) -> pd.DataFrame:
     return bad[["row_id", "status", "error"]].reset_index(drop=True)
 
 
-def pct(x: float) -> str:
-    return "–" if not np.isfinite(x) else f"{x:+.1%}"
+def finite(spec: str) -> Callable[[float], str]:
+    """A formatter of numbers by ``spec`` that prints a non-finite one as "–"."""
+    return lambda x: "–" if not np.isfinite(x) else format(x, spec)
+
+
+pct = finite("+.1%")
 
 
 def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
@@ -49,9 +54,9 @@ def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
         "T": t["temperature"].map(lambda x: f"{x:g}"),
         "τ pred": t["tau_pred"].map("{:.2f}".format), "τ meas": t["tau_meas"].map("{:.2f}".format),
         "τ err": t["tau_err"].map(pct), "τ s.e.": t["tau_se_rel"].map(lambda x: f"{x:.1%}"),
-        "pred s.e.": t["tau_pred_se_rel"].map(lambda x: "–" if not np.isfinite(x) else f"{x:.1%}"),
+        "pred s.e.": t["tau_pred_se_rel"].map(finite(".1%")),
         "≤2σ": t["tau_within_2se"].map(lambda x: "yes" if x else "no"),
-        "prompts": t["prompts"].map(lambda x: "–" if not np.isfinite(x) else f"{x:.0f}"),
+        "prompts": t["prompts"].map(finite(".0f")),
         "S pred": t["speedup_pred"].map("{:.2f}".format), "S meas": t["speedup_meas"].map("{:.2f}".format),
         "S err": t["speedup_err"].map(pct), "diagnosis": t["diagnosis"],
     })
@@ -84,7 +89,7 @@ def _draws(table: pd.DataFrame) -> pd.DataFrame:
     d = draw_table(table).reset_index()
     shown = d.assign(temperature=d["temperature"].map(lambda x: f"{x:g}"),
                      **{"mean τ err": d["mean τ err"].map(pct),
-                        "s.d.": d["s.d."].map(lambda x: "–" if not np.isfinite(x) else f"{x:.1%}"),
+                        "s.d.": d["s.d."].map(finite(".1%")),
                         "within 3%": d["within 3%"].map(lambda x: f"{x:.0%}")})
     return shown.rename(columns={"temperature": "T"})
 
