@@ -202,6 +202,12 @@ class CalibrationConfig:
     new_tokens: int = 32  # tokens generated per prompt; a star tree is verified at each of them
     depth_prompts: int = 4  # prompts decoded with the drafter's chain/tree for acceptance_by_depth
     reps: int = 7  # interleaved timing rounds of the cost table (medians kept), after `warmup` untimed ones
+    # ... then more rounds, up to max_reps, while the median of a ratio to t(1) has a relative standard error
+    # above median_se (methods.measurement.cost_table.ratio_standard_error). Quiet, the zoo profiles' most
+    # scattered ratio read a relative IQR of 6-11% over 7 rounds (zoo11): a 7-round median moved 2-4% by
+    # chance, and two fresh calibrations of one profile read the draft shapes 3-12% apart
+    max_reps: int = 15
+    median_se: float = 0.025
     warmup: int = 2
     context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
 
@@ -318,6 +324,8 @@ RANGES: dict[str, Range] = {
     "calibration.new_tokens": AT_LEAST_1,
     "calibration.depth_prompts": AT_LEAST_1,
     "calibration.reps": AT_LEAST_1,
+    "calibration.max_reps": NON_NEGATIVE,  # at most reps: reps rounds, as before
+    "calibration.median_se": NON_NEGATIVE,  # 0: max_reps rounds always
     "calibration.warmup": NON_NEGATIVE,
     "calibration.context_tokens": NON_NEGATIVE,  # 0 = workload.context_tokens
 }

@@ -173,6 +173,8 @@ TOP_LEVEL = [
     Bad(("threads=-1",), ("threads", ">= 0", "-1")),
     Bad(("+seeds=1",), ("seeds", "allowed")),
     Bad(("calibration.reps=0",), ("calibration.reps", ">= 1", "got 0")),
+    Bad(("calibration.max_reps=-1",), ("calibration.max_reps", ">= 0", "-1"), slow=SLOW),
+    Bad(("calibration.median_se=-0.1",), ("calibration.median_se", ">= 0", "-0.1"), slow=SLOW),
     Bad(("task=simulate", "seed=4294967296"), ("seed", "4294967296"), slow=SLOW),
     Bad(("warmup=-1",), ("warmup", ">= 0", "-1"), slow=SLOW),
     Bad(("device=tpu",), ("device", "tpu", "auto", "cpu"), slow=SLOW),

@@ -13,6 +13,7 @@ rotated per round, as the benchmarks do; per-round ratios and their medians then
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -83,17 +84,24 @@ def verify_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int
 
 
 # ---- interleaved rounds ------------------------------------------------------------------------------------
-def interleaved(paths: Sequence[TimedPath], rounds: int, warmup: int = 0) -> list[dict[Hashable, float]]:
+Rounds = list[dict[Hashable, float]]
+
+
+def interleaved(paths: Sequence[TimedPath], rounds: int, warmup: int = 0, max_rounds: int = 0,
+                more: Callable[[Rounds], bool] | None = None) -> Rounds:
     """``warmup`` untimed rounds, then ``rounds`` rounds that each run every path once, the order rotated by
-    one per round (so no path always follows the same one). Returns one dict per timed round: the paths'
-    measurements merged (their names must differ)."""
-    out: list[dict[Hashable, float]] = []
-    for r in range(warmup + rounds):
+    one per round (so no path always follows the same one), then further rounds up to ``max_rounds`` while
+    ``more(timed rounds so far)`` says the figures are not yet precise enough. Returns one dict per timed
+    round: the paths' measurements merged (their names must differ)."""
+    out: Rounds = []
+    r = 0
+    while r < warmup + rounds or (len(out) < max_rounds and more is not None and more(out)):
         merged: dict[Hashable, float] = {}
         for i in range(len(paths)):
             merged.update(paths[(r + i) % len(paths)]())
         if r >= warmup:
             out.append(merged)
+        r += 1
     return out
 
 
@@ -104,6 +112,15 @@ def series(rounds: Sequence[Mapping[Hashable, float]], name: Hashable) -> list[f
 def ratios(rounds: Sequence[Mapping[Hashable, float]], name: Hashable, base: Hashable) -> list[float]:
     """Per round, ``name`` over ``base`` measured in the same round: that round's machine state cancels."""
     return [float(r[name]) / float(r[base]) for r in rounds]
+
+
+def median_standard_error(values: Sequence[float]) -> float:
+    """Relative standard error of the median of ``values`` (inf for fewer than two): the large-sample
+    sqrt(pi / 2) · sigma / sqrt(n), sigma read from the interquartile range (IQR / 1.349), so that a few
+    preempted rounds do not inflate it as they would a standard deviation."""
+    if len(values) < 2:
+        return float("inf")
+    return math.sqrt(math.pi / 2) / 1.349 * relative_iqr(values) / math.sqrt(len(values))
 
 
 def relative_iqr(values: Sequence[float]) -> float:

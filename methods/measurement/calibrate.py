@@ -61,6 +61,7 @@ from methods.measurement.cost_table import (
     VSTEP,
     CostTable,
     cost_table,
+    ratio_standard_error,
     scatter_reason,
 )
 from methods.measurement.draft_shapes import (
@@ -672,7 +673,8 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
         return out
 
     paths = [ar, spec, forwards, *([shaped] if shapes else []), *([widened] if wide is not None else [])]
-    return interleaved(paths, cal.reps, cal.warmup)
+    return interleaved(paths, cal.reps, cal.warmup, cal.max_reps,
+                       lambda done: ratio_standard_error(done) > cal.median_se)
 
 
 def times_draft_shapes(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
@@ -1117,6 +1119,7 @@ class _Measured:
     updates: list[int] = field(default_factory=list)  # per loop prompt: the drafter's updates (_depth_run)
     star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
     loop_new_tokens: int = 0  # new tokens per prompt of the depth run (``sizes``' generations)
+    timing_s: float = 0.0  # seconds of the timed rounds, every attempt's (warm-up rounds included)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1160,11 +1163,13 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
     wide = wide_drafter(run)  # every step's draft counted, the generation's cut last ones too (depth 0)
     wide = SizeRecorder(wide, 0) if wide is not None else None
+    timing = time.perf_counter()
     table, attempts = _timed_table(run, context, sizes, wide)  # its tree's t(n) and walk too
+    timing = time.perf_counter() - timing
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates, star_sizes, new_tokens)
+                          runs, updates, star_sizes, new_tokens, timing)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1222,6 +1227,9 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         **_pass_extra(t),
         "draft_level_timing": "drafter" if _own_level(run) else "draft_model" if _draft_modes(run) else None,
         "context_tokens": m.context, "timing_rounds": t.rounds, "timing_attempts": m.attempts,
+        "timing_seconds": m.timing_s,
+        # the kept attempt's rounds, per series of its dispersion (cost_table.round_series)
+        "timing_series": {k: [float(f"{x:.5g}") for x in v] for k, v in t.series.items()},
         "max_timing_dispersion": MAX_TIMING_DISPERSION,
         "torch_threads": torch.get_num_threads(), "setup_seconds": m.setup_s,
         "loadavg_1min": loads,  # a busy machine slows t(n): see how busy it was

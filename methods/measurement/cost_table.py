@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from methods.core.timing import ratios, relative_iqr, series
+from methods.core.timing import median_standard_error, ratios, relative_iqr, series
 
 # Relative IQR (Q3 − Q1) / median over the timing rounds above which a series counts as scattered. On the
 # shared 2-core development machine quiet calibrations of the zoo read 2–10%; a machine loaded for part of
@@ -67,6 +67,9 @@ class CostTable:
     verify_step_ratios: dict[tuple[str, int], float] = field(default_factory=dict)
     # n → the loop's verify forwards of n tokens over the timed rounds (VSIZES; empty where not counted)
     verify_sizes: dict[int, float] = field(default_factory=dict)
+    # the rounds' own figures (round_series: "t1" in seconds, the others as ratios), kept for inspection: how
+    # a statistic or a number of rounds would have read them
+    series: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -81,6 +84,29 @@ class CostTable:
         return max(0.0, self.verify_ratio - forward) if tree_size > 1 else 0.0
 
 
+def round_series(rounds: Sequence[Mapping[Hashable, float]]) -> dict[str, list[float]]:
+    """The series a table's dispersion is read on, per round: "t1" (seconds) and the ratios to the round's
+    t(1) of the loop's figures, the tree forwards and the drafter's timed passes and shapes (a one-pass
+    drafter's passes price its draft on every other tree, 0.3–1 t(1) each, as the loop's drafts per tree
+    shape price a level-by-level drafter's, unlike the ~0.1 ms verification walks: a busy phase that hits
+    them makes no profile either)."""
+    sizes = sorted(k for k in rounds[0] if isinstance(k, int))
+    out = {"t1": series(rounds, T_AR)}
+    out.update({f"{k}/t1": ratios(rounds, k, T_AR) for k in (DRAFT, VERIFY, SHARED) if k in rounds[0]})
+    out.update({f"t({n})/t1": ratios(rounds, n, T_AR) for n in sizes})
+    out.update({f"{k[0]}({k[1]})/t1": ratios(rounds, k, T_AR) for k in rounds[0]
+                if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE, VLOOP)})
+    return out
+
+
+def ratio_standard_error(rounds: Sequence[Mapping[Hashable, float]]) -> float:
+    """The largest relative standard error (timing.median_standard_error) of the medians of the rounds'
+    ratios to t(1), the figures a prediction prices with (t(1) itself scatters with the machine's load,
+    which the ratios cancel); inf before two rounds."""
+    return max((median_standard_error(v) for k, v in round_series(rounds).items() if k != "t1"),
+               default=float("inf"))
+
+
 def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     """Medians of per-round ratios to the round's own t(1) (key ``t_ar``); ``draft`` and ``verify`` keys and
     int keys (tree forwards of n tokens) are optional per table but must be in every round."""
@@ -89,15 +115,8 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
     t1 = series(rounds, T_AR)
     per = {n: ratios(rounds, n, T_AR) for n in sizes}
     loop = {k: ratios(rounds, k, T_AR) for k in (DRAFT, VERIFY, SHARED) if k in rounds[0]}
-    dispersion = {"t1": relative_iqr(t1)}
-    dispersion.update({f"{k}/t1": relative_iqr(v) for k, v in loop.items()})
-    dispersion.update({f"t({n})/t1": relative_iqr(v) for n, v in per.items()})
-    # a one-pass drafter's timed passes price its draft on every other tree (0.3–1 t(1) each, unlike the
-    # ~0.1 ms verification walks), as the loop's drafts per tree shape price a level-by-level drafter's: a
-    # busy phase that hits them makes no profile either
-    passes = {k: ratios(rounds, k, T_AR) for k in rounds[0]
-              if isinstance(k, tuple) and k[0] in (QPASS_CHAIN, QPASS, QSHAPE, VLOOP)}
-    dispersion.update({f"{kind}({n})/t1": relative_iqr(v) for (kind, n), v in passes.items()})
+    named = round_series(rounds)
+    dispersion = {k: relative_iqr(v) for k, v in named.items()}
     med = {k: statistics.median(v) for k, v in loop.items()}
     kinds = (VSTEP, VCHAIN, QLEVEL, QPASS_CHAIN, QPASS, QSHAPE, QFIRST, VLOOP)
     steps = {k: statistics.median(ratios(rounds, k, T_AR)) for k in rounds[0]
@@ -109,7 +128,7 @@ def cost_table(rounds: Sequence[Mapping[Hashable, float]]) -> CostTable:
                 counted[int(k[1])] = counted.get(int(k[1]), 0.0) + float(c)
     return CostTable(statistics.median(t1), {n: statistics.median(v) for n, v in per.items()},
                      med.get(DRAFT, 0.0), med.get(VERIFY, 0.0), dispersion, len(rounds), med.get(SHARED, 0.0),
-                     steps, dict(sorted(counted.items())))
+                     steps, dict(sorted(counted.items())), named)
 
 
 def scatter_reason(dispersion: Mapping[str, float], bound: float | None = None) -> str:

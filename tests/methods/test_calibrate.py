@@ -71,7 +71,8 @@ from specsim.tree import Tree, cut
 BUDGETS = [1, 2, 4, 8]
 SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
          "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
-         "calibration.warmup=1", "calibration.width=8", f"tree.budgets=[{','.join(map(str, BUDGETS))}]")
+         "calibration.max_reps=0", "calibration.warmup=1", "calibration.width=8",
+         f"tree.budgets=[{','.join(map(str, BUDGETS))}]")
 
 
 def _same_draft(models: Models) -> Models:
@@ -131,6 +132,19 @@ def test_draft_equal_to_target_is_always_accepted_at_rank_one(run_config, tiny_m
         prof = measure_profile(run_config(*SMALL, "method=vanilla", *extra), models, show_progress=False)
         assert prof.acceptance_vector[1] == pytest.approx(1.0, abs=1e-6) and prof.n_positions > 0
         assert prof.extra["rank_counts"][0] == pytest.approx(prof.n_positions, rel=1e-6)
+
+
+def test_calibration_times_more_rounds_while_its_ratios_scatter(run_config, tiny_models):
+    """``calibration.reps`` rounds, then more up to ``max_reps`` while a ratio's median is less precise than
+    ``median_se`` (0: always more); a profile keeps each round's figures. max_reps <= reps: reps rounds."""
+    for extra, rounds in ((("calibration.max_reps=4", "calibration.median_se=0"), 4),
+                          (("calibration.max_reps=4", "calibration.median_se=1e9"), 2),
+                          (("calibration.max_reps=0", "calibration.median_se=0"), 2)):
+        prof = measure_profile(run_config(*SMALL, "method=vanilla", *extra), tiny_models, show_progress=False)
+        assert prof.extra["timing_rounds"] == rounds
+        assert set(prof.extra["timing_series"]) == set(prof.timing_dispersion)
+        assert all(len(v) == rounds for v in prof.extra["timing_series"].values())
+        assert prof.extra["timing_seconds"] > 0
 
 
 def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, monkeypatch):
@@ -885,7 +899,8 @@ def test_loop_measured_acceptance_keys_its_profile_apart(run_config):
 # ---- sampled drafts and several drafts ---------------------------------------------------------------------
 SMALL_SELF = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=2",
               "calibration.new_tokens=6", "calibration.depth_prompts=1", "calibration.reps=2",
-              "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+              "calibration.warmup=0", "calibration.width=4",
+              "calibration.max_reps=0", "tree.budgets=[1,2,4,8]")
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from specsim.tree import Tree
 
 SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "calibration.prompts=2",
          "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
-         "calibration.warmup=1", "calibration.width=8", "tree.budgets=[1,2,4,8]")
+         "calibration.max_reps=0", "calibration.warmup=1", "calibration.width=8", "tree.budgets=[1,2,4,8]")
 
 
 class _Lengths:

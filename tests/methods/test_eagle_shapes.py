@@ -18,7 +18,7 @@ SMALL = ("model=random_tiny", "method=eagle2", "method.params.head=random", "tre
          "tree.total_tokens=5", "tree.depth=3", "tree.top_k=2", "workload.num_prompts=2",
          "workload.prompt_tokens=24", "workload.max_new_tokens=10", "warmup=1", "calibration.prompts=2",
          "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
-         "calibration.warmup=1", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+         "calibration.max_reps=0", "calibration.warmup=1", "calibration.width=4", "tree.budgets=[1,2,4,8]")
 
 
 def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cache, monkeypatch):

@@ -14,7 +14,8 @@ from methods.models import load_models
 
 SMALL = ("task=measure", "model=random_tiny", "workload.num_prompts=2", "workload.prompt_tokens=24",
          "workload.max_new_tokens=10", "warmup=1", "calibration.prompts=2", "calibration.new_tokens=8",
-         "calibration.depth_prompts=1", "calibration.reps=2", "calibration.warmup=1", "calibration.width=4",
+         "calibration.depth_prompts=1", "calibration.reps=2", "calibration.warmup=1",
+         "calibration.max_reps=0", "calibration.width=4",
          "tree.budgets=[1,2,4,8]")
 CONTRACT = ("tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "accept_hist", "acceptance_by_depth",
             "acceptance_by_rank", "n_target_forwards", "time_draft_s", "time_verify_s", "predicted_tau",

@@ -17,7 +17,7 @@ from specsim.tree import Tree
 
 SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=2",
          "calibration.new_tokens=6", "calibration.depth_prompts=1", "calibration.reps=2",
-         "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
+         "calibration.max_reps=0", "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]")
 
 
 def test_forwards_per_step_from_the_drafters_counters():

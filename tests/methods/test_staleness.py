@@ -26,7 +26,8 @@ from specsim.tree import Tree
 
 SMALL = ("model=random_tiny", "workload.prompt_tokens=16", "calibration.prompts=1",
          "calibration.new_tokens=4", "calibration.depth_prompts=1", "calibration.reps=2",
-         "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]", "method=vanilla")
+         "calibration.warmup=0", "calibration.width=4", "tree.budgets=[1,2,4,8]",
+         "calibration.max_reps=0", "method=vanilla")
 
 
 def _rounds(t1: list[float], sizes, wide: int | None = None) -> list[dict]:

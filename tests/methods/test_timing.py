@@ -5,6 +5,7 @@ per-round ratios, dispersion flags a scattered series. No test reads a wall time
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 
 import pytest
@@ -16,6 +17,7 @@ from methods.core.timing import (
     forward_times,
     interleaved,
     median_seconds,
+    median_standard_error,
     ratio_clock,
     relative_iqr,
     star_inputs,
@@ -28,6 +30,8 @@ from methods.measurement.cost_table import (
     VERIFY,
     VSIZES,
     cost_table,
+    ratio_standard_error,
+    round_series,
     scatter_reason,
 )
 
@@ -167,3 +171,48 @@ def test_ratio_clock_is_thread_cpu_time_only_when_torch_runs_one_thread():
         assert ratio_clock() is time.perf_counter
     finally:
         torch.set_num_threads(before)
+
+
+def test_interleaved_times_further_rounds_while_asked_up_to_the_most():
+    """After ``rounds`` timed rounds, one more round at a time while ``more`` asks, never past
+    ``max_rounds``; the order keeps rotating; without ``more`` (or with max_rounds <= rounds), ``rounds``."""
+    def paths(machine):
+        return [machine.path("ar", {T_AR: 1.0}), machine.path("spec", {DRAFT: 0.5})]
+
+    asked = []
+
+    def until_five(done):
+        asked.append(len(done))
+        return len(done) < 5
+
+    machine = BusyMachine(slow=1.0, slow_calls=0)
+    assert len(interleaved(paths(machine), 3, warmup=1, max_rounds=10, more=until_five)) == 5
+    assert asked == [3, 4, 5]  # asked after the required rounds only
+    firsts = [machine.order[2 * r] for r in range(6)]  # the warm-up round, then 5 timed ones
+    assert firsts == ["ar", "spec"] * 3
+    assert len(interleaved(paths(BusyMachine(1.0, 0)), 3, warmup=1, max_rounds=4, more=until_five)) == 4
+    assert len(interleaved(paths(BusyMachine(1.0, 0)), 3, warmup=1, max_rounds=10)) == 3
+    assert len(interleaved(paths(BusyMachine(1.0, 0)), 3, warmup=1, max_rounds=0, more=until_five)) == 3
+
+
+def test_median_standard_error_reads_the_interquartile_range():
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]  # quartiles 2 and 4 around the median 3
+    sigma = (4.0 - 2.0) / 1.349  # a normal law's IQR is 1.349 sigma
+    assert median_standard_error(values) == pytest.approx(math.sqrt(math.pi / 2) * sigma / 3.0 / math.sqrt(5))
+    assert median_standard_error(values * 4) < median_standard_error(values)  # more rounds, a surer median
+    assert median_standard_error([1.0]) == math.inf
+
+
+def test_ratio_standard_error_ignores_t1_and_takes_the_worst_ratio():
+    """t(1) in seconds swings with the load while the ratios stay put: nothing to time again. A scattered
+    draft ratio is what the rule reads, and the table keeps each round's figures."""
+    loaded = [{T_AR: t, DRAFT: 0.2 * t, VERIFY: 1.5 * t, 8: 1.2 * t} for t in (1.0, 3.0, 1.0, 5.0, 2.0)]
+    assert ratio_standard_error(loaded) == pytest.approx(0.0)
+    draft = [0.18, 0.2, 0.22, 0.2, 0.3]
+    scattered = [{**r, DRAFT: d * r[T_AR]} for r, d in zip(loaded, draft)]
+    assert ratio_standard_error(scattered) == pytest.approx(median_standard_error(draft))
+    table = cost_table(scattered)
+    assert table.series == round_series(scattered)
+    assert table.series["draft/t1"] == pytest.approx(draft)
+    assert table.series["t1"] == [1.0, 3.0, 1.0, 5.0, 2.0]
+    assert set(table.series) == set(table.dispersion)
