@@ -204,10 +204,12 @@ class CalibrationConfig:
     reps: int = 7  # interleaved timing rounds of the cost table (medians kept), after `warmup` untimed ones
     # ... then more rounds, up to max_reps, while the median of a ratio to t(1) has a relative standard error
     # above median_se (methods.measurement.cost_table.ratio_standard_error). Quiet, the zoo profiles' most
-    # scattered ratio read a relative IQR of 6-11% over 7 rounds (zoo11): a 7-round median moved 2-4% by
-    # chance, and two fresh calibrations of one profile read the draft shapes 3-12% apart
+    # scattered ratio read a relative IQR of 6-11% (quartiles) over 7 rounds (zoo11): its 7-round median
+    # moved 2-4% by chance. 3%: half of zoo11's 90 profiles would have timed 8-15 rounds, ~4 min more on the
+    # full sweep (2.5%: two thirds, ~6 min); under load (1-min load 4 on 2 cores) nearly every profile
+    # times 15 (its ratios' relative IQR 15-30%)
     max_reps: int = 15
-    median_se: float = 0.025
+    median_se: float = 0.03
     warmup: int = 2
     context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
 
