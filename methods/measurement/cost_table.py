@@ -7,6 +7,9 @@ with the drafter and one tree forward per size, so a ratio compares costs taken 
 a busy phase that hits some rounds moves t(1) but not the ratios, and shows as dispersion. Speedup
 predictions depend on the ratios only (S = k̄ · t(1) / t_step, every term of t_step a multiple of t(1)).
 
+The calibration times ``calibration.reps`` rounds, then more (up to ``max_reps``) while
+:func:`ratio_standard_error` says a ratio's median is less precise than ``median_se``.
+
 A profile whose timings still scatter beyond :data:`MAX_TIMING_DISPERSION` after :data:`TIMING_ATTEMPTS`
 timings is used by the run that measured it but never cached (methods.measurement.calibrate).
 """
