@@ -85,20 +85,33 @@ def insample_row(row_dir: Path) -> vr.Row:
 
 
 def check_cached(row_dir: Path, cache: Path) -> None:
-    """Refuse (ValueError) a row whose profile is not in ``cache``: its run would calibrate anew."""
+    """Refuse (ValueError) a row whose profile is not in ``cache`` — its run would calibrate anew — or is
+    another calibration than the one the row was predicted with (its t(1), timed once per calibration,
+    differs from the row's ``profile_t1_s``: a later row of the sweep measured it again)."""
     name = profile_name(row_dir)
-    if name and not (Path(cache) / "profiles" / name).is_file():
+    if not name:
+        return
+    path = Path(cache) / "profiles" / name
+    if not path.is_file():
         raise ValueError(f"{Path(row_dir).name}: its profile {name} is not in {cache}/profiles: the run "
                          "would calibrate anew (copy the sweep's profiles there)")
+    cached, used = json.loads(path.read_text()).get("t_ar_s"), _metrics(row_dir).get("profile_t1_s")
+    if used is not None and cached != used:
+        raise ValueError(f"{Path(row_dir).name}: {path} is another calibration than the row's (t(1) {cached} "
+                         f"against the row's {used}): it was measured again after the row")
 
 
 def check_same_profile(row_dir: Path, run_dir: Path) -> str:
-    """"" when the in-sample run used the sweep row's profile; else why not, with its metrics set aside
-    (metrics.rejected.json) and failed.json written, so that no report reads it."""
-    want, got = profile_name(row_dir), profile_name(run_dir)
-    if want == got:
+    """"" when the in-sample run used the sweep row's profile (the same file, the same calibration's t(1));
+    else why not, with its metrics set aside (metrics.rejected.json) and failed.json written, so that no
+    report reads it."""
+    want, got = _metrics(row_dir), _metrics(run_dir)
+    names = [Path(m["profile_path"]).name if m.get("profile_path") else None for m in (want, got)]
+    t1s = [m.get("profile_t1_s") for m in (want, got)]
+    if names[0] == names[1] and (None in t1s or t1s[0] == t1s[1]):
         return ""
-    why = f"the in-sample run used profile {got}, the sweep row {want}"
+    why = (f"the in-sample run used profile {names[1]} (t(1) {t1s[1]}), the sweep row {names[0]} "
+           f"(t(1) {t1s[0]})")
     (Path(run_dir) / "metrics.json").replace(Path(run_dir) / REJECTED)
     atomic_write_json(Path(run_dir) / FAILED, {"status": "failed", "error": why})
     return why
@@ -127,8 +140,14 @@ def run_insample(row_dirs: Sequence[Path], out: Path, cache: Path | None = None,
                  python: str = sys.executable, deadline: float | None = None) -> list[vr.Outcome]:
     """Re-run each row in-sample under ``out`` (resumable; several drivers may share it)."""
     cache = cache or cache_root()
+    refused = []
     for d in row_dirs:  # every refusal before the first run
-        check_cached(d, cache)
+        try:
+            check_cached(d, cache)
+        except ValueError as e:
+            refused.append(str(e))
+    if refused:
+        raise ValueError("refused (no row run):\n" + "\n".join(refused))
     outcomes = []
     for d in row_dirs:
         row, run_dir = insample_row(d), Path(out) / d.name

@@ -86,13 +86,18 @@ run_dir.mkdir(parents=True, exist_ok=True)
     return str(script)
 
 
-def test_a_run_that_took_another_profile_is_refused(tmp_path):
+def test_a_profile_measured_again_and_a_run_that_took_another_profile_are_refused(tmp_path):
     sweep = _sweep(tmp_path)
     name = vi.profile_name(sweep / ROW)
     cache = tmp_path / "cache"
     (cache / "profiles").mkdir(parents=True)
-    (cache / "profiles" / name).write_text("{}")
+    t1 = json.loads((sweep / ROW / "metrics.json").read_text())["profile_t1_s"]
+    (cache / "profiles" / name).write_text(json.dumps({"t_ar_s": t1 * 1.01}))  # re-measured after the row
     out = tmp_path / "out"
+    with pytest.raises(ValueError, match="another calibration than the row's"):
+        vi.run_insample([sweep / ROW], out, cache=cache, python="/nonexistent/python")
+    assert not out.exists()
+    (cache / "profiles" / name).write_text(json.dumps({"t_ar_s": t1}))  # the row's own calibration
     other = _fake_python(tmp_path, f"/somewhere/profiles/another-{name}")
     [o] = vi.run_insample([sweep / ROW], out, cache=cache, python=other)
     assert o.status == "failed" and "another-" in o.error
@@ -104,6 +109,12 @@ def test_a_run_that_took_another_profile_is_refused(tmp_path):
     argv = json.loads((out / ROW / "argv.json").read_text())
     assert argv[1] == "experiment=validation" and "calibration.cached_only=true" in argv
     [o] = vi.run_insample([sweep / ROW], out, cache=cache, python=other)  # resumable: done is done
+    assert o.status == "skipped"
+    _edit_metrics(out / ROW, profile_t1_s=t1 * 1.01)  # the same file, another calibration: refused
+    assert "t(1)" in vi.check_same_profile(sweep / ROW, out / ROW) and not completed(out / ROW)
+    [o] = vi.run_insample([sweep / ROW], out, cache=cache, python=same)  # a refused row runs again
+    assert o.status == "done"
+    [o] = vi.run_insample([sweep / ROW], out, cache=cache, python=other)
     assert o.status == "skipped"
 
 
