@@ -61,27 +61,36 @@ def row_overrides(row_dir: Path) -> list[str]:
     return list(doc["overrides"])
 
 
-def insample_overrides(row_dir: Path) -> list[str]:
-    """The row's overrides, then the calibration split as the row's profile was calibrated on it: the
-    calibration's prompts, new tokens and seed read from the row's own config (.hydra/config.yaml). A
-    dynamic tree's trees were recorded on more tokens (as many as the test run generates): its row takes
-    the tokens its recorded trees have, so that nothing is recorded anew."""
+def acceptance_tokens(row_dir: Path, cache: Path, calibration_tokens: int) -> int:
+    """New tokens per calibration prompt that the row's acceptance was measured on: the profile's loop's
+    (``loop_new_tokens``: a loop drafter's acceptance comes from decoding every calibration prompt as long as
+    the workload's generations; every other drafter's loop decodes ``calibration_tokens``, the calibration's
+    new tokens, which a profile without the record takes too); a dynamic tree's, the tokens its trees were
+    recorded on."""
+    m = _metrics(row_dir)
+    if m.get("dynamic_shapes_path"):
+        return int(json.loads((Path(cache) / "profiles" / Path(m["dynamic_shapes_path"]).name).read_text())
+                   ["new_tokens"])
+    profile = json.loads((Path(cache) / "profiles" / Path(m["profile_path"]).name).read_text())
+    return int(profile.get("extra", {}).get("loop_new_tokens") or calibration_tokens)
+
+
+def insample_overrides(row_dir: Path, cache: Path) -> list[str]:
+    """The row's overrides, then the calibration split as the row's profile (in ``cache``) was calibrated on
+    it: the calibration's prompts and seed read from the row's own config (.hydra/config.yaml), the new
+    tokens its acceptance was measured on (:func:`acceptance_tokens`)."""
     row_dir = Path(row_dir)
     cfg = OmegaConf.load(row_dir / ".hydra" / "config.yaml")
-    cal = cfg.calibration
-    new_tokens = int(cal.new_tokens)
-    shapes = _metrics(row_dir).get("dynamic_shapes_path")
-    if shapes:
-        new_tokens = int(json.loads(Path(shapes).read_text())["new_tokens"])
-    return [*row_overrides(row_dir), "workload.split=calibration", f"workload.num_prompts={int(cal.prompts)}",
-            f"workload.max_new_tokens={new_tokens}", "workload.tau_se_target=0", f"seed={int(cfg.seed)}",
-            "calibration.cached_only=true"]
+    tokens = acceptance_tokens(row_dir, cache, int(cfg.calibration.new_tokens))
+    return [*row_overrides(row_dir), "workload.split=calibration",
+            f"workload.num_prompts={int(cfg.calibration.prompts)}", f"workload.max_new_tokens={tokens}",
+            "workload.tau_se_target=0", f"seed={int(cfg.seed)}", "calibration.cached_only=true"]
 
 
-def insample_row(row_dir: Path) -> vr.Row:
+def insample_row(row_dir: Path, cache: Path) -> vr.Row:
     doc = vr.read_row(Path(row_dir)) or {}
     return vr.Row(doc["method"], doc["tree"], doc["workload"], float(doc["temperature"]),
-                  tuple(insample_overrides(row_dir)))
+                  tuple(insample_overrides(row_dir, cache)))
 
 
 def check_cached(row_dir: Path, cache: Path) -> None:
@@ -150,7 +159,7 @@ def run_insample(row_dirs: Sequence[Path], out: Path, cache: Path | None = None,
         raise ValueError("refused (no row run):\n" + "\n".join(refused))
     outcomes = []
     for d in row_dirs:
-        row, run_dir = insample_row(d), Path(out) / d.name
+        row, run_dir = insample_row(d, cache), Path(out) / d.name
         if completed(run_dir):
             outcomes.append(vr.Outcome(row, "skipped", 0.0))
             continue

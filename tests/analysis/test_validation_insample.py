@@ -42,21 +42,32 @@ def _edit_metrics(row_dir: Path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def _cache(tmp_path: Path, row_dir: Path, **profile) -> Path:
+    """A cache root holding the row's profile file with ``profile``'s fields."""
+    cache = tmp_path / "cache"
+    (cache / "profiles").mkdir(parents=True, exist_ok=True)
+    (cache / "profiles" / vi.profile_name(row_dir)).write_text(json.dumps(profile))
+    return cache
+
+
 def test_a_row_is_run_on_the_calibration_split_as_its_profile_was_calibrated(tmp_path):
     sweep = _sweep(tmp_path)
     row = sweep / ROW
     _edit_config(row, prompts=5, new_tokens=7, seed=3)  # read from the row's config, not assumed
+    cache = _cache(tmp_path, row, t_ar_s=1.0)  # a profile without its loop's record: the config's tokens
     own = json.loads((row / "validation_row.json").read_text())["overrides"]
-    got = vi.insample_overrides(row)
+    got = vi.insample_overrides(row, cache)
     assert got[: len(own)] == own  # the row's method, workload, T, verifier, tree and sizes first
     assert got[len(own):] == ["workload.split=calibration", "workload.num_prompts=5",
                               "workload.max_new_tokens=7", "workload.tau_se_target=0", "seed=3",
                               "calibration.cached_only=true"]
-    shapes = tmp_path / "shapes.json"  # a dynamic tree: the tokens its trees were recorded on
-    shapes.write_text(json.dumps({"new_tokens": 11}))
-    _edit_metrics(row, dynamic_shapes_path=str(shapes))
-    assert "workload.max_new_tokens=11" in vi.insample_overrides(row)
-    r = vi.insample_row(row)
+    # a loop drafter's acceptance was measured on every calibration prompt as long as the test generations
+    cache = _cache(tmp_path, row, t_ar_s=1.0, extra={"loop_new_tokens": 9})
+    assert "workload.max_new_tokens=9" in vi.insample_overrides(row, cache)
+    (cache / "profiles" / "shapes.json").write_text(json.dumps({"new_tokens": 11}))
+    _edit_metrics(row, dynamic_shapes_path="/elsewhere/profiles/shapes.json")  # a dynamic tree: its record's
+    assert "workload.max_new_tokens=11" in vi.insample_overrides(row, cache)
+    r = vi.insample_row(row, cache)
     assert r.row_id == ROW and r.overrides[-1] == "calibration.cached_only=true"
     assert vi.default_out(sweep) == tmp_path / "micro_insample"
 
