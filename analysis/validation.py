@@ -6,6 +6,7 @@ A row is one task=measure run (analysis.validation_rows enumerates and runs them
 t_verify = t(n) + the loop's verification overhead (methods.measurement.profiles.to_measured_cost).
     python -m analysis.validation run --full          # the zoo sweep, resumable, into multirun/validation/zoo
     python -m analysis.validation report DIR          # the table and summary as Markdown
+    python -m analysis.validation insample DIR        # its rows again on the calibration split (in-sample)
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command == "insample":
+        return _insample(args)
     from analysis.validation_report import report
 
-    print(report(Path(args.dir)))
+    print(report(Path(args.dir), insample=args.insample))
     return 0
 
 
@@ -48,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="list the rows and the excluded combinations")
     rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
     rep.add_argument("dir")
+    rep.add_argument("--insample", type=Path, help="its in-sample rows (default: DIR_insample, if any)")
+    ins = sub.add_parser("insample", help="re-run a finished sweep's rows on the calibration split, with the "
+                         "profiles they were predicted with (resumable; never calibrates)")
+    ins.add_argument("dir", type=Path, help="the finished sweep")
+    ins.add_argument("--rows", nargs="*", help="only rows whose id matches one of these shell patterns")
+    ins.add_argument("--tau-misses", action="store_true", help="the rows missing the τ goal (with --rows: "
+                     "those too)")
+    ins.add_argument("--out", type=Path, help="default: DIR_insample beside the sweep")
+    ins.add_argument("--minutes", type=float, help="start no new row after this many minutes")
+    ins.add_argument("--dry-run", action="store_true", help="list each row's command line")
     return ap
 
 
@@ -72,6 +85,25 @@ def _run(args: argparse.Namespace) -> int:
         if o.status == "failed":
             print(f"  failed {o.row.row_id}: {o.error}", file=sys.stderr)
     return 0
+
+
+def _insample(args: argparse.Namespace) -> int:
+    from analysis import validation_insample as vi
+
+    selected = vi.select(args.dir, args.rows, args.tau_misses)
+    out = args.out or vi.default_out(args.dir)
+    if args.dry_run:
+        for d in selected:
+            print(d.name, " ".join(vi.insample_overrides(d, vi.cache_root())))
+        return 0
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    outcomes = vi.run_insample(selected, out, deadline=deadline)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "skipped", "failed")}
+    print(f"{len(selected)} rows: {counts} -> {out}")
+    for o in outcomes:
+        if o.status == "failed":
+            print(f"  failed {o.row.row_id}: {o.error}", file=sys.stderr)
+    return int(any(o.status == "failed" for o in outcomes))
 
 
 if __name__ == "__main__":

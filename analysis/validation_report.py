@@ -94,7 +94,11 @@ def _draws(table: pd.DataFrame) -> pd.DataFrame:
     return shown.rename(columns={"temperature": "T"})
 
 
-def report(path: str | Path, worst: int = 10) -> str:
+def report(path: str | Path, worst: int = 10, insample: str | Path | None = None) -> str:
+    """The sweep at ``path`` as Markdown; with its in-sample rows (``insample``, default ``<path>_insample``
+    where it exists: analysis.validation_insample) beside the test split's."""
+    from analysis.validation_insample import default_out, insample_section
+
     df = load_validation(path)
     table = errors(df)
     if table.empty:
@@ -107,6 +111,9 @@ def report(path: str | Path, worst: int = 10) -> str:
              "prompts: their errors are not independent)", to_markdown(_draws(table)), "",
              f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows, sort=False)), "",
              "## Rows", to_markdown(row_table(table))]
+    insample = Path(insample) if insample else default_out(Path(path))
+    if insample.is_dir():
+        parts[len(summary_lines(summary(table))) + 2:0] = [*insample_section(table, insample), ""]
     bad = failures(df)
     if len(bad):
         parts += ["", "## Failed rows", to_markdown(bad)]

@@ -212,6 +212,10 @@ class CalibrationConfig:
     median_se: float = 0.03
     warmup: int = 2
     context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
+    # never calibrate: a run whose cached profile (or dynamic trees) is missing or would be measured again
+    # fails instead (analysis.validation insample re-runs a row on the profile it was predicted with). A
+    # stale mark does not count: it is about t(1) only, which every run re-anchors on its own baseline
+    cached_only: bool = False
 
 
 @dataclass

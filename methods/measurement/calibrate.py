@@ -83,6 +83,7 @@ from methods.measurement.profiles import (
     profile_key,
     profile_lock,
     profile_path,
+    refuse_unless_calibrating,
     save_profile,
     sequoia_tree_for,
     star_rule,
@@ -1418,6 +1419,7 @@ def ensure_profile(
         why = remeasure_reason(profile, cfg)
         if not why:
             return profile
+        refuse_unless_calibrating(cfg, why, path)
         print(f"calibrating {cfg.method.drafter} on {cfg.model.name}/{cfg.workload.name} ({why}; "
               f"cached for later runs in {path})", file=sys.stderr, flush=True)
         profile = measure_profile(cfg, models, show_progress=show_progress)
@@ -1433,7 +1435,7 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return f"calibrated on a smaller split than asked ({smaller})"
     if missing_budgets(profile, cfg):
         return f"no t(n) for budgets {missing_budgets(profile, cfg)}"
-    if profile.stale:
+    if profile.stale and not cfg.calibration.cached_only:  # a stale t(1): every run re-anchors its own
         return f"the cached profile is stale: {profile.stale}"
     if "verify_step_ratios" not in profile.extra:
         return "no per-size verification timing (a profile of an older calibration)"

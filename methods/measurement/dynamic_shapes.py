@@ -35,7 +35,7 @@ from methods.core.sampling import SamplingParams
 from methods.core.timing import interleaved
 from methods.data.workloads import load_prompts
 from methods.drafters.registry import backbone_of, build_drafter
-from methods.measurement.profiles import profile_lock, profile_path
+from methods.measurement.profiles import profile_lock, profile_path, refuse_unless_calibrating
 from methods.models import Models
 from specsim.config import RunConfig, TreeKind
 from specsim.io import atomic_write_json, read_json
@@ -161,6 +161,7 @@ def ensure_shapes(cfg: RunConfig, pcfg: RunConfig, models: Models, cache: Path |
                     return recorded(doc), path
             except (ValueError, TypeError, KeyError):  # unreadable: record again
                 pass
+        refuse_unless_calibrating(cfg, "no dynamic trees recorded for this run's tokens and chain", path)
         print(f"recording {cfg.method.name}'s dynamic trees on the calibration split (cached in {path})",
               file=sys.stderr, flush=True)
         shapes, kept, scale, lengths = record_shapes(cfg, models, show_progress, chain_depth)

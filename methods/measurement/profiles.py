@@ -294,6 +294,17 @@ def profile_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+class NotCalibrating(RuntimeError):
+    """A run with ``calibration.cached_only`` found nothing cached that serves it."""
+
+
+def refuse_unless_calibrating(cfg: RunConfig, why: str, path: Path) -> None:
+    """Raise :class:`NotCalibrating` when ``cfg`` forbids measuring anew (``calibration.cached_only``)."""
+    if cfg.calibration.cached_only:
+        raise NotCalibrating(f"calibration.cached_only: the cache cannot serve this run ({why}; {path}); "
+                             "refusing to calibrate anew")
+
+
 def missing_budgets(profile: Profile, cfg: RunConfig) -> list[int]:
     return sorted(set(int(b) for b in cfg.tree.budgets) - set(profile.t_n))
 

@@ -126,3 +126,14 @@ def test_the_warm_up_is_not_in_the_runs_recorded_trees(run_config, cache, batch)
     assert runs[0]["dynamic_trees_recorded"] > 0
     assert [runs[0][k] for k in keys] == [runs[1][k] for k in keys]
     assert runs[0]["n_target_forwards"] == runs[1]["n_target_forwards"]
+
+
+def test_a_cached_only_run_records_no_trees(run_config, cache, monkeypatch):
+    """calibration.cached_only (analysis.validation insample): trees not recorded for this run's tokens →
+    NotCalibrating, nothing decoded."""
+    from methods.measurement.profiles import NotCalibrating
+
+    monkeypatch.setattr(dynamic_shapes, "record_shapes", lambda *a, **k: pytest.fail("recorded"))
+    cfg = run_config("task=measure", *SMALL, "calibration.cached_only=true")
+    with pytest.raises(NotCalibrating, match="no dynamic trees"):
+        ensure_shapes(cfg, profile_config(cfg), None, show_progress=False)

@@ -193,3 +193,19 @@ def test_measure_predicts_with_its_own_t1_when_the_profile_is_stale(run_config, 
     assert m["predicted_speedup"] == pytest.approx(as_profiled["predicted_speedup"])
     assert load_profile(pcfg).stale and "profile is stale" in capsys.readouterr().err
     json.dumps(m)
+
+
+def test_a_cached_only_run_never_calibrates(run_config, tiny_models, cache, monkeypatch):
+    """calibration.cached_only (analysis.validation insample): no profile cached → NotCalibrating, nothing
+    measured; a stale mark is no reason to measure (t(1) only: each run re-anchors it on its own baseline)."""
+    from methods.measurement.profiles import NotCalibrating
+
+    calls = _script(monkeypatch, QUIET)
+    cfg = profile_config(run_config(*SMALL, "calibration.cached_only=true"))
+    with pytest.raises(NotCalibrating, match="no profile yet"):
+        ensure_profile(cfg, tiny_models, show_progress=False)
+    assert not calls and not profile_path(cfg).exists()
+    prof = _cached(cfg, t1=10e-3)
+    mark_stale(profile_path(cfg), prof, "its t(1) was 4x a run's")
+    served = ensure_profile(cfg, tiny_models, show_progress=False)
+    assert not calls and served.stale and dataclasses.replace(served, stale="") == prof
