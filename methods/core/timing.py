@@ -85,8 +85,11 @@ def verify_times(engine: ModelEngine, context: torch.Tensor, sizes: Sequence[int
 # ---- interleaved rounds ------------------------------------------------------------------------------------
 def interleaved(paths: Sequence[TimedPath], rounds: int, warmup: int = 0) -> list[dict[Hashable, float]]:
     """``warmup`` untimed rounds, then ``rounds`` rounds that each run every path once, the order rotated by
-    one per round (so no path always follows the same one). Returns one dict per timed round: the paths'
-    measurements merged (their names must differ)."""
+    one per round (so no path always runs first or last in its round). A rotation keeps the cyclic order:
+    a path follows the same one in all rounds but the one it opens (calibration's autoregressive decode
+    follows the wide or shape decodes, or the tree forwards); timed by thread CPU time, the zoo target's
+    t(1) read the same after the tree forwards as after a speculative decode (ratio 0.998, 80 pairs, load
+    ~4). Returns one dict per timed round: the paths' measurements merged (their names must differ)."""
     out: list[dict[Hashable, float]] = []
     for r in range(warmup + rounds):
         merged: dict[Hashable, float] = {}
