@@ -140,6 +140,18 @@ def predicted_parts(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def ratio_logs(parts: pd.DataFrame) -> pd.DataFrame:
+    """Per part, log(measured / predicted) of its seconds per forward as ratios to t(1), each side to its own:
+    the run's part over its t1_meas against the profile's over its t(1) (``*_here`` are already re-anchored
+    on t1_meas), unweighted by the part's share of the step. A profile timed on a uniformly slower or faster
+    machine moves none of them; ``load`` says how far its t(1) was off. (Dividing ``*_here`` by the profile's
+    t(1) instead counts log(t1_pred / t1_meas) once more: on zoo11 that read the verify lean +5.2%, correlated
+    0.75 with the t(1) offset; the lean itself is +2.0%, correlated 0.07.)"""
+    return pd.DataFrame({"draft_ratio_log": np.log(parts["draft_meas"] / parts["t_draft_here"]),
+                         "verify_ratio_log": np.log(parts["verify_meas"] / parts["t_verify_here"])},
+                        index=parts.index)
+
+
 def term_contributions(df: pd.DataFrame) -> pd.DataFrame:
     """Per row, the signed contribution of each term (TERMS) to log(S_pred / S_meas), and ``residual`` (what
     the factorisation leaves: 0 up to rounding when every input is there)."""
@@ -195,7 +207,8 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     out["tau_pred_se_rel"] = prediction_standard_error(ok, out["tau_se_rel"])
     out["tau_combined_se_rel"] = np.hypot(out["tau_se_rel"], out["tau_pred_se_rel"].fillna(0.0))
     out["tau_within_2se"] = out["tau_err"].abs() <= 2 * out["tau_combined_se_rel"]
-    out = pd.concat([out, parts.drop(columns=["tau_se", "tau_meas"]), term_contributions(ok)], axis=1)
+    out = pd.concat([out, parts.drop(columns=["tau_se", "tau_meas"]), ratio_logs(parts),
+                     term_contributions(ok)], axis=1)
     out["tau_ok"] = out["tau_err"].abs() <= TAU_GOAL
     out["speedup_ok"] = out["speedup_err"].abs() <= SPEEDUP_GOAL
     moved = out[list(TERMS)].abs().fillna(0.0)

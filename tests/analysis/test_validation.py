@@ -205,6 +205,16 @@ def test_a_machine_slower_than_at_calibration_moves_no_term():
                                   predicted_t_verify_s_this_device=0.0195)])).loc[0]
     assert t["speedup_err"] == pytest.approx(0) and t["load"] == pytest.approx(0.3)
     assert t[list(TERMS)].abs().max() < 1e-9
+    assert t[["draft_ratio_log", "verify_ratio_log"]].abs().max() < 1e-9  # the ratios to t(1) held
+
+
+def test_the_ratio_logs_compare_each_part_to_its_own_sides_t1():
+    """A verify 10% dear against t(1) on a machine 30% slower at calibration: verify_ratio_log reads the
+    10% alone (not the 30% as well), the draft's reads 0."""
+    t = errors(pd.DataFrame([_run(predicted_t_ar_s_this_device=0.013, predicted_t_draft_s_this_device=0.0065,
+                                  predicted_t_verify_s_this_device=0.0195 / 1.1)])).loc[0]
+    assert t["verify_ratio_log"] == pytest.approx(np.log(1.1))
+    assert t["draft_ratio_log"] == pytest.approx(0, abs=1e-12) and t["load"] == pytest.approx(0.3)
 
 
 def test_a_cost_miss_beside_a_profile_t1_off_the_runs_says_so():
