@@ -98,12 +98,12 @@ def _insample(args: argparse.Namespace) -> int:
         return 0
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     outcomes = vi.run_insample(selected, out, deadline=deadline)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "skipped", "failed")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("done", "skipped", "failed", "refused")}
     print(f"{len(selected)} rows: {counts} -> {out}")
     for o in outcomes:
-        if o.status == "failed":
-            print(f"  failed {o.row.row_id}: {o.error}", file=sys.stderr)
-    return int(any(o.status == "failed" for o in outcomes))
+        if o.status in ("failed", "refused"):
+            print(f"  {o.status} {o.row.row_id}: {o.error}", file=sys.stderr)
+    return int(any(o.status in ("failed", "refused") for o in outcomes))
 
 
 if __name__ == "__main__":

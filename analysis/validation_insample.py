@@ -147,18 +147,22 @@ def select(sweep: Path, patterns: Sequence[str] | None = None, tau_misses: bool 
 
 def run_insample(row_dirs: Sequence[Path], out: Path, cache: Path | None = None,
                  python: str = sys.executable, deadline: float | None = None) -> list[vr.Outcome]:
-    """Re-run each row in-sample under ``out`` (resumable; several drivers may share it)."""
+    """Re-run each row in-sample under ``out`` (resumable; several drivers may share it). A row that
+    :func:`check_cached` refuses is not run: its outcome is "refused" (every refusal is known before the
+    first run), and the other rows run."""
     cache = cache or cache_root()
-    refused = []
-    for d in row_dirs:  # every refusal before the first run
+    outcomes, runnable = [], []
+    for d in row_dirs:
         try:
             check_cached(d, cache)
+            runnable.append(d)
         except ValueError as e:
-            refused.append(str(e))
-    if refused:
-        raise ValueError("refused (no row run):\n" + "\n".join(refused))
-    outcomes = []
-    for d in row_dirs:
+            doc = vr.read_row(Path(d)) or {}
+            row = vr.Row(doc.get("method", ""), doc.get("tree", ""), doc.get("workload", ""),
+                         float(doc.get("temperature", 0.0)), ())
+            outcomes.append(vr.Outcome(row, "refused", 0.0, str(e)))
+            print(f"{Path(d).name}: refused: {e}", file=sys.stderr, flush=True)
+    for d in runnable:
         row, run_dir = insample_row(d, cache), Path(out) / d.name
         if completed(run_dir):
             outcomes.append(vr.Outcome(row, "skipped", 0.0))

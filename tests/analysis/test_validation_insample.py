@@ -9,7 +9,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from analysis import validation_insample as vi
@@ -75,8 +74,8 @@ def test_a_row_is_run_on_the_calibration_split_as_its_profile_was_calibrated(tmp
 def test_a_row_whose_profile_is_not_cached_is_refused_before_anything_runs(tmp_path):
     sweep = _sweep(tmp_path)
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="would calibrate anew"):
-        vi.run_insample([sweep / ROW], out, cache=tmp_path / "cache", python="/nonexistent/python")
+    [o] = vi.run_insample([sweep / ROW], out, cache=tmp_path / "cache", python="/nonexistent/python")
+    assert o.status == "refused" and "would calibrate anew" in o.error and o.row.row_id == ROW
     assert not out.exists()
 
 
@@ -105,8 +104,8 @@ def test_a_profile_measured_again_and_a_run_that_took_another_profile_are_refuse
     t1 = json.loads((sweep / ROW / "metrics.json").read_text())["profile_t1_s"]
     (cache / "profiles" / name).write_text(json.dumps({"t_ar_s": t1 * 1.01}))  # re-measured after the row
     out = tmp_path / "out"
-    with pytest.raises(ValueError, match="another calibration than the row's"):
-        vi.run_insample([sweep / ROW], out, cache=cache, python="/nonexistent/python")
+    [o] = vi.run_insample([sweep / ROW], out, cache=cache, python="/nonexistent/python")
+    assert o.status == "refused" and "another calibration than the row's" in o.error
     assert not out.exists()
     (cache / "profiles" / name).write_text(json.dumps({"t_ar_s": t1}))  # the row's own calibration
     other = _fake_python(tmp_path, f"/somewhere/profiles/another-{name}")
@@ -127,6 +126,21 @@ def test_a_profile_measured_again_and_a_run_that_took_another_profile_are_refuse
     assert o.status == "done"
     [o] = vi.run_insample([sweep / ROW], out, cache=cache, python=other)
     assert o.status == "skipped"
+
+
+def test_a_refused_row_does_not_stop_the_others(tmp_path):
+    other = "vanilla__natural__code__T0"
+    sweep = _sweep(tmp_path, rows=(other, ROW))
+    name = vi.profile_name(sweep / ROW)
+    assert vi.profile_name(sweep / other) != name  # its profile is not cached: refused
+    t1 = json.loads((sweep / ROW / "metrics.json").read_text())["profile_t1_s"]
+    cache = _cache(tmp_path, sweep / ROW, t_ar_s=t1)
+    same = _fake_python(tmp_path, f"/another/cache/profiles/{name}")
+    out = tmp_path / "out"
+    got = {o.row.row_id: o for o in vi.run_insample([sweep / other, sweep / ROW], out, cache=cache,
+                                                     python=same)}
+    assert got[other].status == "refused" and "would calibrate anew" in got[other].error
+    assert got[ROW].status == "done" and completed(out / ROW) and not (out / other).exists()
 
 
 def test_the_report_sets_each_rows_in_sample_error_beside_the_test_splits(tmp_path):
