@@ -14,7 +14,6 @@ too (its metrics.json set aside as metrics.rejected.json, failed.json written).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from omegaconf import OmegaConf
 
 from analysis import validation_rows as vr
 from analysis.sweep import FAILED, completed
-from specsim.io import atomic_write_json
+from specsim.io import atomic_write_json, cache_root
 
 SUFFIX = "_insample"
 REJECTED = "metrics.rejected.json"
@@ -36,11 +35,6 @@ def default_out(sweep: Path) -> Path:
     """Where a sweep's in-sample rows go: beside it, ``<sweep>_insample``."""
     sweep = Path(sweep).resolve()
     return sweep.with_name(sweep.name + SUFFIX)
-
-
-def cache_root() -> Path:
-    """The cache a run.py started from here reads ($SPECSIM_CACHE, as methods.zoo.build.cache_root)."""
-    return Path(os.environ.get("SPECSIM_CACHE") or Path.home() / ".cache" / "specsim")
 
 
 def _metrics(row_dir: Path) -> dict:

@@ -69,3 +69,8 @@ def read_json(path: str | os.PathLike) -> Any:
 def read_jsonl(path: str | os.PathLike) -> list[Any]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def cache_root() -> Path:
+    """The cache every run reads and writes (zoo, heads, profiles): $SPECSIM_CACHE, else ~/.cache/specsim."""
+    return Path(os.environ.get("SPECSIM_CACHE") or Path.home() / ".cache" / "specsim")

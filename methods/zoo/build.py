@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from methods.zoo.train import ModelSpec, SequenceUnlikelihood, Windows
+from specsim.io import cache_root as specsim_cache_root
 
 # bump when the build changes so that old caches must not be reused (2: bf16 teacher copy; 3: eager attention
 # and fused AdamW while training, greedy decoding of the report by methods.zoo.greedy)
@@ -124,7 +125,7 @@ def preset(name: str) -> ZooConfig:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECSIM_CACHE") or Path.home() / ".cache" / "specsim")
+    return specsim_cache_root()
 
 
 # ModelSpec fields added after zoos were cached: (field, whether a spec uses it); unused, they are left
