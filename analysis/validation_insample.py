@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,25 +155,10 @@ def run_insample(row_dirs: Sequence[Path], out: Path, cache: Path | None = None,
                          float(doc.get("temperature", 0.0)), ())
             outcomes.append(vr.Outcome(row, "refused", 0.0, str(e)))
             print(f"{Path(d).name}: refused: {e}", file=sys.stderr, flush=True)
-    for d in runnable:
-        row, run_dir = insample_row(d, cache), Path(out) / d.name
-        if completed(run_dir):
-            outcomes.append(vr.Outcome(row, "skipped", 0.0))
-            continue
-        if deadline is not None and time.time() > deadline:
-            break
-        if not vr.claim(run_dir):
-            continue
-        try:
-            outcome = vr.run_row(row, run_dir, python)
-        finally:
-            (run_dir / vr.CLAIM).unlink(missing_ok=True)
-        if outcome.status == "done" and (why := check_same_profile(d, run_dir)):
-            outcome = vr.Outcome(row, "failed", outcome.seconds, why)
-        outcomes.append(outcome)
-        print(f"{d.name}: {outcome.status} ({outcome.seconds:.0f} s) {outcome.error}", file=sys.stderr,
-              flush=True)
-    return outcomes
+    by_id = {Path(d).name: Path(d) for d in runnable}
+    rows = [insample_row(d, cache) for d in runnable]
+    return outcomes + vr.run_rows(rows, Path(out), python, deadline,
+                                  check=lambda row, run_dir: check_same_profile(by_id[row.row_id], run_dir))
 
 
 # ---- the report's section ---------------------------------------------------------------------------------

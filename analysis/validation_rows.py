@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -154,15 +154,17 @@ SMALL_METHODS = ("autoregressive", "vanilla", "sequoia", "prompt_lookup")  # not
 @dataclass(frozen=True)
 class Outcome:
     row: Row
-    status: str  # done | skipped | failed
+    status: str  # done | skipped | failed | refused (analysis.validation_insample)
     seconds: float
     error: str = ""
 
 
 def run_rows(selected: Iterable[Row], out: Path, python: str = sys.executable,
-             deadline: float | None = None, progress: bool = True) -> list[Outcome]:
+             deadline: float | None = None, progress: bool = True,
+             check: Callable[[Row, Path], str] | None = None) -> list[Outcome]:
     """Run every row not yet done under ``out`` (resumable); stop starting new rows after ``deadline``
-    (time.time()). A failing row leaves failed.json and the sweep goes on."""
+    (time.time()). A failing row leaves failed.json and the sweep goes on; so does a finished row that
+    ``check(row, run_dir)`` rejects (a non-empty reason: it set the row's metrics aside)."""
     from tqdm import tqdm
 
     selected = list(selected)
@@ -179,9 +181,12 @@ def run_rows(selected: Iterable[Row], out: Path, python: str = sys.executable,
         if not claim(run_dir):  # another driver on the same sweep runs it now
             continue
         try:
-            outcomes.append(run_row(row, run_dir, python))
+            outcome = run_row(row, run_dir, python)
         finally:
             (run_dir / CLAIM).unlink(missing_ok=True)
+        if check is not None and outcome.status == "done" and (why := check(row, run_dir)):
+            outcome = Outcome(row, "failed", outcome.seconds, why)
+        outcomes.append(outcome)
     return outcomes
 
 
