@@ -91,7 +91,22 @@ def to_run_config(dcfg: DictConfig) -> RunConfig:
         key = getattr(e, "full_key", None) or "config"
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
     assert isinstance(cfg, RunConfig), f"primary config must extend base_config, got {type(cfg).__name__}"
-    return validate(cfg)
+    return resolve_auto_dtype(validate(cfg))
+
+
+def resolve_auto_dtype(cfg: RunConfig) -> RunConfig:
+    """``model.dtype=auto`` (the zoo's) as the dtype a decoding task runs: bfloat16 where this device's bf16
+    products are fast, float32 where they are slow (``methods.core.bf16``: CPUs without AVX512-BF16/AMX).
+    A bf16-sized ``model.bytes_per_param`` follows a float32 choice. task=simulate keeps ``auto``
+    (it imports no torch)."""
+    if cfg.model.dtype != "auto" or cfg.task == Task.simulate:
+        return cfg
+    from methods.core.bf16 import speed_dtype
+    from methods.models import resolve_device
+
+    dtype = speed_dtype("bfloat16", resolve_device(cfg.device))
+    size = 4.0 if dtype == "float32" and cfg.model.bytes_per_param == 2.0 else cfg.model.bytes_per_param
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype, bytes_per_param=size))
 
 
 def _check_known_keys(node: DictConfig, prefix: str) -> None:

@@ -338,7 +338,7 @@ def store(fit: BatchFit, grid: Grid, args: argparse.Namespace, loop: dict[int, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="zoo")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     # the KV lengths the loop runs at: the code workload's prompt (128) to prompt + max_new (192); the KV
     # term is not linear far beyond them (caches), so a grid at 512 biases the fit at 160 by ~10%

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     base = run.compose_run_config("model=zoo", "method=vanilla")
-    models = load_models(base.model, "cpu", "bfloat16")
+    models = load_models(base.model, "cpu", "auto")
     w = replace(base.workload, num_prompts=max(sizes))
     prompts = [torch.tensor(p.token_ids) for p in load_prompts(w, models.tokenizer, base.seed)]
     opts = DecodeOptions(max_new_tokens=args.new_tokens)

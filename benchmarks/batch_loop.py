@@ -138,7 +138,7 @@ def identity(models, cfg, prompts: list[torch.Tensor], b: int, new_tokens: int) 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="zoo", help="a conf/model preset")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
+    ap.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -78,7 +78,7 @@ def sweep_speedups(root: Path, method: str) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="vanilla")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", type=int, default=32, help="test-split prompts (the sweep's num_prompts)")
     ap.add_argument("--calibration-prompts", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)

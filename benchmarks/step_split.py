@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="zoo")
     ap.add_argument("--workload", default="code")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--warmup-prompts", type=int, default=2, help="from the calibration split")

@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from methods.core.bf16 import speed_dtype
 from methods.core.engine import context_length  # noqa: F401  (re-exported)
 from specsim.config import ModelConfig
 
@@ -47,9 +48,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype by name; ``auto`` is bfloat16 where this device's bf16 products are fast, else float32
+    (``methods.core.bf16``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return _DTYPES[speed_dtype("bfloat16", device)]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: allowed {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -57,7 +62,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_models(model_cfg: ModelConfig, device: str = "auto", dtype: str = "float32") -> Models:
     """Load target (+ draft when the config names one) and tokenizer, in eval mode on ``device``."""
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     if model_cfg.source == "random":
         target, draft, tok = _random_models(model_cfg)
     elif model_cfg.source == "zoo":

@@ -157,7 +157,8 @@ class ModelConfig:
     path: str = ""
     draft_path: str = ""
     zoo: str = "default"  # zoo preset name (default | micro)
-    dtype: str = "bfloat16"
+    # auto: bfloat16 where this device multiplies bf16 fast, else float32 (run.py resolves it for decoding)
+    dtype: str = "auto"
 
 
 @dataclass
@@ -412,7 +413,7 @@ def _validate_hardware(h: HardwareConfig) -> None:
 
 def _validate_model(m: ModelConfig, method: MethodConfig) -> None:
     _choice(m.source, "model.source", ("zoo", "random", "hub", "local"))
-    _choice(m.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+    _choice(m.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
     _check(m.source not in ("hub", "local") or bool(m.path), "model.path", "required for hub/local models")
     _check(m.hidden_size % m.n_heads == 0, "model.n_heads",
            f"must divide model.hidden_size={m.hidden_size} (head dim), got {m.n_heads}")

@@ -167,7 +167,7 @@ def main() -> int:
     from specsim.config import ModelConfig
 
     torch.set_num_threads(1)
-    models = load_models(ModelConfig(), "cpu", "bfloat16")
+    models = load_models(ModelConfig(), "cpu", "auto")
     ensure_skip_set(models.target, models.tokenizer)
     result = json.loads(search_path(models.target, SearchConfig()).read_text())
     print(f"greedy skip-set search: {result['evaluations']} sets evaluated in {result['seconds']:.0f} s; "

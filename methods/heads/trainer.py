@@ -23,6 +23,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from methods.core.bf16 import bf16_is_fast
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -33,7 +35,9 @@ class LoopConfig:
     schedule: str = "onecycle"  # onecycle (5% warm-up, cosine decay) | constant
     weight_decay: float = 0.0
     clip: float | None = None  # max gradient norm over all trained parameters
-    autocast: bool = True  # bf16 autocast for the loss: ~2x faster matmuls on AVX512-BF16 CPUs and GPUs
+    # bf16 autocast for the loss: ~2x faster matmuls on AVX512-BF16 CPUs and GPUs; off where this machine's
+    # bf16 products are slow (methods.core.bf16)
+    autocast: bool = True
     desc: str = "train"  # progress bar label
 
     def __post_init__(self) -> None:
@@ -74,10 +78,11 @@ def fit(
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, peaks, total_steps=total, pct_start=pct)
     out = LoopResult()
     bar = tqdm(range(cfg.steps), desc=cfg.desc, leave=False)
+    autocast = cfg.autocast and bf16_is_fast()
     with torch.inference_mode(False), torch.enable_grad():
         for _ in bar:
             batch = batch_fn(generator)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_fn(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -110,12 +110,14 @@ def retime(paths: ZooPaths, name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from methods.core.bf16 import speed_dtype
     from methods.zoo.quality import forward_times
 
     cfg = preset(name)
     report = json.loads(paths.report_path.read_text())
     with torch.inference_mode():
-        t_n = {"dtype": "bfloat16", "context": cfg.tn_context, "loadavg_1min": os.getloadavg()[0]}
+        t_n = {"dtype": speed_dtype("bfloat16"), "context": cfg.tn_context,
+               "loadavg_1min": os.getloadavg()[0]}
         for role, d in (("target_ms", paths.target_dir), ("draft_ms", paths.draft_dir)):
             model = AutoModelForCausalLM.from_pretrained(d)
             times = forward_times(model, list(cfg.tn_sizes), cfg.tn_context)

@@ -119,9 +119,21 @@ class ZooPaths:
 
 
 def preset(name: str) -> ZooConfig:
+    """The preset as this machine builds it: a role's bf16 training autocast becomes float32 where bf16
+    products are slow here (``methods.core.bf16``), and the key follows (a float32-trained zoo is another
+    zoo)."""
     if name not in PRESETS:
         raise ValueError(f"unknown zoo {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    return for_this_machine(PRESETS[name])
+
+
+def for_this_machine(cfg: ZooConfig) -> ZooConfig:
+    """``cfg`` with each role's ``train_dtype`` passed through ``methods.core.bf16.speed_dtype``."""
+    from methods.core.bf16 import speed_dtype
+
+    roles = {role: dataclasses.replace(spec, train_dtype=speed_dtype(spec.train_dtype))
+             for role, spec in (("target", cfg.target), ("draft", cfg.draft))}
+    return dataclasses.replace(cfg, **roles)
 
 
 def cache_root() -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from methods.core.bf16 import bf16_is_fast
 from methods.zoo.build import ZooConfig, ZooPaths, _file_lock, _limit, _log, cache_root, ensure_zoo, zoo_key
 from methods.zoo.train import Packed, new_model, pack, train_lm, windows_at
 
@@ -139,7 +140,7 @@ def _pool(stream: Packed, spec: ExtraDrafts, zoo: ZooConfig) -> Packed:
 @torch.inference_mode()
 def _greedy(model, pool: Packed, batch: int = 16) -> torch.Tensor:
     """Greedy next token at every position of every window. (P, T-1)"""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_is_fast()):
         return torch.cat([model(input_ids=x).logits[:, :-1].argmax(-1) for x in pool.tokens.split(batch)])
 
 

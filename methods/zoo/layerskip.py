@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from methods.core.bf16 import speed_dtype
 from methods.zoo.identity import doc_key, weights_fingerprint
 
 VERSION = 1  # bump when the recipe's code changes meaningfully (invalidates cached variants). Not computing
@@ -106,9 +107,16 @@ def fingerprint(model: PreTrainedModel) -> str:
     return weights_fingerprint(model, 2048, 20)
 
 
+def for_this_machine(recipe: LayerSkipRecipe) -> LayerSkipRecipe:
+    """bf16 training autocast is a speed choice: float32 where bf16 products are slow here
+    (``methods.core.bf16``); the variant's key follows."""
+    return dataclasses.replace(recipe, train_dtype=speed_dtype(recipe.train_dtype))
+
+
 def variant_dir(target: PreTrainedModel, recipe: LayerSkipRecipe, cache: Path | None = None) -> Path:
     from methods.zoo.build import cache_root
 
+    recipe = for_this_machine(recipe)
     doc = {"v": VERSION, "target": fingerprint(target), "recipe": dataclasses.asdict(recipe)}
     key = doc_key(doc, 16)
     return (cache or cache_root()) / "layerskip" / key
@@ -120,6 +128,7 @@ def ensure_layerskip(target: PreTrainedModel, tokenizer, recipe: LayerSkipRecipe
     file lock, into a temp dir renamed when complete: concurrent runs train it once)."""
     from methods.zoo.build import _file_lock, _log
 
+    recipe = for_this_machine(recipe)
     final = variant_dir(target, recipe, cache)
     if final.is_dir():
         return _marked(final)
@@ -333,7 +342,7 @@ def main() -> int:
     from methods.zoo.build import ensure_zoo
     from specsim.config import ModelConfig
 
-    models = load_models(ModelConfig(), "cpu", "bfloat16")
+    models = load_models(ModelConfig(), "cpu", "auto")
     path = ensure_layerskip(models.target, models.tokenizer, LayerSkipRecipe())
     report = json.loads((path / "report.json").read_text())
     per_step = report.get("seconds_per_step")

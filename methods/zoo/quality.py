@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from methods.core.bf16 import speed_dtype
 from methods.data.corpus import corpus
 from methods.data.workloads import load_prompts
 from methods.zoo.greedy import greedy_extend
@@ -111,15 +112,18 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
 
 
 # ---- verification cost t(n) ---------------------------------------------------------------------------
+_DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: int = 7) -> dict[int, float]:
     """Median wall time (ms) of the decode loop's verify forward over n tree tokens after a ``context``-token
-    cache, for n in ``sizes``, on a bf16 copy of ``model``: ``methods.core.timing.verify_times``, the same
-    timer as ``task=calibrate`` (two untimed rounds over all sizes, then ``reps`` rounds, sizes
-    interleaved)."""
+    cache, for n in ``sizes``, on a copy of ``model`` in the zoo's decode dtype (bf16, or float32 where
+    bf16 is slow here: ``methods.core.bf16``): ``methods.core.timing.verify_times``, the same timer as
+    ``task=calibrate`` (two untimed rounds over all sizes, then ``reps`` rounds, sizes interleaved)."""
     from methods.core.engine import ModelEngine
     from methods.core.timing import verify_times
 
-    m = copy.deepcopy(model).to(torch.bfloat16).eval()
+    m = copy.deepcopy(model).to(_DECODE_DTYPES[speed_dtype("bfloat16")]).eval()
     ids = torch.randint(0, m.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     times = verify_times(ModelEngine(m, capacity=context + max(sizes)), ids, sizes, reps, warmup=2)
     return {n: 1e3 * t for n, t in times.items()}
@@ -171,7 +175,7 @@ def zoo_report(cfg, target: PreTrainedModel, draft: PreTrainedModel, tokenizer) 
     # all threads: t(n) as the decode loop will see it (re-measure with `python -m methods.zoo retime`)
     t_n = {
         "loadavg_1min": os.getloadavg()[0],
-        "dtype": "bfloat16",
+        "dtype": speed_dtype("bfloat16"),
         "context": cfg.tn_context,
         "target_ms": forward_times(target, list(cfg.tn_sizes), cfg.tn_context),
         "draft_ms": forward_times(draft, list(cfg.tn_sizes), cfg.tn_context),

@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m methods.heads.medusa", description=__doc__)
@@ -18,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="Medusa-1 steps (default: TrainConfig's)")
     ap.add_argument("--teacher", default="self", choices=("self", "data"))
     ap.add_argument("--joint", action="store_true", help="Medusa-2: joint training after the heads stage")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     ap.add_argument("--frozen-projection", action="store_true", help="train the ResBlocks only")
     args = ap.parse_args(argv)
 
@@ -27,11 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     from methods.heads.medusa.store import ensure_medusa
     from methods.heads.medusa.train import TrainConfig
     from methods.heads.medusa.tree import expected_tokens, greedy_tree
+    from methods.models import resolve_dtype
     from methods.zoo import ensure_zoo
     from specsim.tree import Tree
 
     paths = ensure_zoo(args.zoo)
-    dtype = getattr(torch, args.dtype)
+    dtype = resolve_dtype(args.dtype)
     target = AutoModelForCausalLM.from_pretrained(paths.target_dir, local_files_only=True, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(paths.tokenizer_dir)
     extra = {"steps": args.steps} if args.steps is not None else {}
