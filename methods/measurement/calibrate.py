@@ -214,6 +214,7 @@ class _Run:
     sampling: SamplingParams
     generator: torch.Generator
     bar: tqdm
+    tree_built: Any = None  # :func:`tree_drafter`'s, built on first use
 
     @property
     def eos(self) -> int | None:
@@ -561,6 +562,13 @@ def _spec_opts(run: _Run, new_tokens: int | None = None) -> DecodeOptions:
     return DecodeOptions.for_method(run.cfg.method, run.sampling, new, run.eos)
 
 
+def _tree_opts(run: _Run) -> DecodeOptions:
+    """The decoding options the loop is timed with on a tree that is not its own (the shapes, the wide tree):
+    the method's, under :func:`tree_verifier`."""
+    return DecodeOptions.for_method(tree_method(run.cfg), run.sampling, run.cfg.calibration.new_tokens,
+                                    run.eos)
+
+
 def _ar_opts(run: _Run) -> DecodeOptions:
     s = run.sampling
     return DecodeOptions(Verifier.greedy if s.greedy else Verifier.chain, s, run.cfg.calibration.new_tokens,
@@ -640,14 +648,14 @@ def _cost_rounds(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any =
         out = {}
         for name, drafter in shapes.items():
             timer = FirstDraftTimer(drafter)
-            r = decode(run.target, timer, next_prompt(name), _spec_opts(run), run.generator)
+            r = decode(run.target, timer, next_prompt(name), _tree_opts(run), run.generator)
             out.update(_steady_draft(r, timer, name))
         return out
 
     def widened() -> dict:  # the loop's verification per step on the wide tree, on the round's prompt, and
         # (a drafter timed on the shapes) its draft there: the shape wide levels are priced from
         timer = FirstDraftTimer(wide)
-        r = decode(run.target, timer, next_prompt("wide"), _spec_opts(run), run.generator)
+        r = decode(run.target, timer, next_prompt("wide"), _tree_opts(run), run.generator)
         steps = max(r.n_target_forwards, 1)
         drafted = _steady_draft(r, timer, WIDE_SHAPE) if shapes else {}
         return {(VLOOP, wide.tree.size): r.time_verify_s / steps, **drafted}
@@ -697,33 +705,69 @@ def shape_tree(run: _Run) -> Tree:
 
 def shape_drafters(run: _Run) -> dict[str, Any]:
     """The drafter built on each of DRAFT_SHAPES (none where :func:`times_draft_shapes` is false; SpecInfer:
-    K members on each shape, merged). A verifier of chains only (Leviathan's, sampled) verifies no tree: the
-    chain of 1 alone then, and the draft's cost per node is not told apart from its cost per level (a chain
-    has as many of each). Timed in the workload's sampling mode: at T = 1 a sampled tree pays per node what
-    a greedy one does not (q's rows, the draws; SpecInfer's merge stacks a q row per member node)."""
+    K members on each shape, merged), under :func:`tree_verifier` (a verifier of chains only, Leviathan's,
+    verifies no tree: the key's tree verifier then). Timed in the workload's sampling mode: at T = 1 a
+    sampled tree pays per node what a greedy one does not (q's rows, the draws; SpecInfer's merge stacks a q
+    row per member node)."""
     if not times_draft_shapes(run.drafter, run.cfg, shape_tree(run)):
         return {}
-    return {name: build_drafter(run.cfg.method, DRAFT_SHAPES[name], run.models, run.sampling)
+    return {name: build_drafter(tree_method(run.cfg), DRAFT_SHAPES[name], run.models, run.sampling)
             for name in shape_names(run.cfg) if name != LOOP_SHAPE}
 
 
 def shape_names(cfg: RunConfig) -> list[str]:
-    """The shapes of DRAFT_SHAPES ``cfg``'s verifier verifies, and the calibration's own chain."""
-    chains_only = Verifier(cfg.method.verifier) == Verifier.chain
-    return [LOOP_SHAPE, *(name for name, tree in DRAFT_SHAPES.items() if tree.width <= 1 or not chains_only)]
+    """The calibration's own chain and every shape of DRAFT_SHAPES, whatever ``cfg``'s verifier (the trees
+    under :func:`tree_verifier`)."""
+    return [LOOP_SHAPE, *DRAFT_SHAPES]
+
+
+def tree_verifier(cfg: RunConfig) -> Verifier:
+    """The verifier the calibration times trees with (the tree shapes' loops, the wide loop, the walks of
+    trees, the draft's levels and passes on trees): the run's own, or where it verifies chains only
+    (Leviathan's ``chain``), the one of the profile key's star rule (profiles.star_rule: Sequoia's at T > 0,
+    greedy at T = 0), the verifier of the rows that share its key and verify trees. The key leaves the
+    verifier out, and one profile serves both: on a chain Sequoia's verifier is Leviathan's walk
+    (methods.core.verify._on_chain) and a draw of one child without replacement is a draw with it, so the
+    loop's own chain is measured alike under either. Timed under the chain verifier alone, a profile lacked
+    the trees a Sequoia row of its key prices and was measured again, overwriting the one the chain row
+    was priced from (zoo11, zoo12: six chain T = 1 profiles, docs/validation.md)."""
+    v = Verifier(cfg.method.verifier)
+    return star_rule(cfg).verifier if v == Verifier.chain else v
+
+
+def tree_method(cfg: RunConfig) -> Any:
+    """``cfg.method`` under :func:`tree_verifier` (``cfg.method`` itself where that is its own verifier)."""
+    v = tree_verifier(cfg)
+    return cfg.method if v == Verifier(cfg.method.verifier) else replace(cfg.method, verifier=v)
+
+
+def drafts_trees(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
+    """Whether the calibration times ``drafter`` on trees beside its chain: level by level on the tree shapes
+    (:func:`times_draft_shapes`) or one pass per tree (:func:`times_pass_per_tree`)."""
+    return times_draft_shapes(drafter, cfg, tree) or times_pass_per_tree(drafter, cfg)
+
+
+def tree_drafter(run: _Run) -> Any:
+    """The drafter as :func:`tree_method` builds it (its candidate mode: Sequoia's draws without replacement
+    where the run's chain verifier draws with it), for its timings on trees (the wide tree's pass, the
+    passes and levels per tree); the run's own where the verifier is the same, or it drafts no tree."""
+    if run.tree_built is None:
+        method = tree_method(run.cfg)
+        same = method is run.cfg.method or not drafts_trees(run.drafter, run.cfg, shape_tree(run))
+        run.tree_built = run.drafter if same else build_drafter(method, run.tree, run.models, run.sampling)
+    return run.tree_built
 
 
 def times_wide_loop(drafter: Any, cfg: RunConfig, tree: Tree) -> bool:
     """Whether calibration times the loop's verification on a wide tree (:func:`wide_drafter`): a drafter
     built on any tree level by level (the shapes' drafters) or a one-pass drafter following its tree
-    (Medusa's ``with_tree``), whose own tree is smaller, under a verifier of trees; ``drafter`` an instance
-    or its class, ``tree`` the tree its levels fill (SpecInfer's member tree: :func:`shape_tree`). SpecInfer
-    too: its merged trees are timed at about their size (:func:`wide_shape_tree`); scaled in proportion to
-    t(n) from its loop's union of 3 chains of 4 (13 nodes) to the zoo's 61-node tree, its verify read 1-5%
-    and its draft 2-5% of the step low (zoo10)."""
-    if Verifier(cfg.method.verifier) == Verifier.chain or tree.size >= WIDE_NODES:
-        return False
-    return times_draft_shapes(drafter, cfg, tree) or times_pass_per_tree(drafter, cfg)
+    (Medusa's ``with_tree``), whose own tree is smaller, whatever the run's verifier (a verifier of chains
+    only: under :func:`tree_verifier`); ``drafter`` an instance or its class, ``tree`` the tree its levels
+    fill (SpecInfer's member tree: :func:`shape_tree`). SpecInfer too: its merged trees are timed at about
+    their size (:func:`wide_shape_tree`); scaled in proportion to t(n) from its loop's union of 3 chains of
+    4 (13 nodes) to the zoo's 61-node tree, its verify read 1-5% and its draft 2-5% of the step low
+    (zoo10)."""
+    return tree.size < WIDE_NODES and drafts_trees(drafter, cfg, tree)
 
 
 def wide_drafter(run: _Run) -> Any | None:
@@ -734,8 +778,8 @@ def wide_drafter(run: _Run) -> Any | None:
         return None
     if times_pass_per_tree(run.drafter, run.cfg):
         top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
-        return run.drafter.with_tree(pass_tree(WIDE_NODES, int(run.drafter.max_depth), top_k))
-    return build_drafter(run.cfg.method, wide_shape_tree(run), run.models, run.sampling)
+        return tree_drafter(run).with_tree(pass_tree(WIDE_NODES, int(run.drafter.max_depth), top_k))
+    return build_drafter(tree_method(run.cfg), wide_shape_tree(run), run.models, run.sampling)
 
 
 def wide_shape_tree(run: _Run) -> Tree:
@@ -751,8 +795,8 @@ LEVEL_CHILDREN = 4  # children drawn per fed node when a level is timed
 
 def _draft_modes(run: _Run) -> tuple[str, int] | None:
     """(sampling mode, draft models) of a drafter that fills trees level by level with a draft model (the
-    vanilla/Sequoia drafter, SpecInfer's members), else None."""
-    members = getattr(run.drafter, "members", None) or [run.drafter]
+    vanilla/Sequoia drafter, SpecInfer's members; the mode :func:`tree_drafter`'s), else None."""
+    members = getattr(tree_drafter(run), "members", None) or [tree_drafter(run)]
     mode = getattr(members[0], "mode", None)
     if run.draft is None or mode is None or run.cfg.method.draft_steps != "depth" or _own_level(run):
         return None
@@ -794,7 +838,8 @@ def _own_level_round(run: _Run, context: torch.Tensor, widths: list[int]) -> dic
     forward of the w rows, its LM head, LEVEL_CHILDREN children per row), median of FORWARD_REPEAT, the
     widths interleaved after one untimed step each (timed one width after the other, w = 1 read 4-14% above
     w = 2 in 3 of 4 zoo profiles, 3% below it interleaved). Keyed (QLEVEL, w)."""
-    steps = {w: run.drafter.level_step(w, context.numel(), LEVEL_CHILDREN, run.generator) for w in widths}
+    level = tree_drafter(run).level_step  # children in the mode of the trees' verifier
+    steps = {w: level(w, context.numel(), LEVEL_CHILDREN, run.generator) for w in widths}
     times: dict[int, list[float]] = {w: [] for w in widths}
     for step in steps.values():
         step()
@@ -865,7 +910,7 @@ def _pass_inputs(run: _Run, context: torch.Tensor, sizes: list[int]) -> tuple | 
     (quiet sweep). None for other drafters."""
     if not times_pass_per_tree(run.drafter, run.cfg):
         return None
-    with_tree = run.drafter.with_tree
+    with_tree = tree_drafter(run).with_tree  # candidates in the mode of the trees' verifier
     k = int(run.drafter.max_depth)
     top_k = int(run.cfg.method.params.get("top_k", 0) or 0) or LEVEL_CHILDREN
     drafters = {(QPASS_CHAIN, d): with_tree(Tree.chain(d)) for d in range(1, k + 1)}
@@ -903,16 +948,15 @@ def _pass_round(run: _Run, drafters: dict, ctx: DraftContext, trees: dict, token
 
 def _verify_inputs(run: _Run, sizes: list[int]) -> dict[tuple[str, int], tuple[Draft, torch.Tensor]]:
     """Drafts with random tokens, draft laws and target logits for the method's verifier: (VSTEP, n) a
-    binary tree of n nodes, (VCHAIN, n) a chain of n nodes (Leviathan's chain verifier: chains only), n > 1
-    in ``sizes``; (VSTEP, 0) the loop's own tree."""
+    binary tree of n nodes (walked by :func:`tree_verifier`: a verifier of chains only, Leviathan's, walks
+    none), (VCHAIN, n) a chain of n nodes, n > 1 in ``sizes``; (VSTEP, 0) the loop's own tree."""
     gen = torch.Generator().manual_seed(run.cfg.seed)
     vocab = int(run.target.model.config.get_text_config().vocab_size)
-    dev, chain_only = run.target.device, Verifier(run.cfg.method.verifier) == Verifier.chain
+    dev = run.target.device
     shapes = {(VSTEP, 0): run.tree}
     for n in (n for n in sizes if n > 1):
         shapes[(VCHAIN, n)] = Tree.chain(n - 1)
-        if not chain_only:
-            shapes[(VSTEP, n)] = Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
+        shapes[(VSTEP, n)] = Tree.from_parents([-1] + [(i - 1) // 2 for i in range(1, n)])
     out = {}
     for key, tree in shapes.items():
         toks = torch.randperm(vocab, generator=gen)[: tree.size]  # distinct: sampled without replacement
@@ -926,13 +970,15 @@ def _verify_round(run: _Run, checks: dict[tuple[str, int], tuple[Draft, torch.Te
     """Seconds of the loop's verification of each ``checks`` draft from its logits (methods.core.loop's
     verify_step: the target's law, the verifier's walk), median of FORWARD_REPEAT. The loop's overhead
     beyond the verify forward grows with the tree (greedy: every node's argmax and the ancestor test);
-    the loop's own tree anchors it on the overhead the loop measured."""
-    opts, out = _spec_opts(run), {}
+    the loop's own tree anchors it on the overhead the loop measured. Trees other than the loop's are
+    walked under :func:`tree_verifier`."""
+    opts, trees, out = _spec_opts(run), _tree_opts(run), {}
     for key, (draft, logits) in checks.items():
+        walk = trees if key[0] == VSTEP and key[1] > 0 else opts
         times = []
         for _ in range(FORWARD_REPEAT):
             t0 = time.perf_counter()
-            verify_step(draft, logits, opts, run.generator)
+            verify_step(draft, logits, walk, run.generator)
             times.append(time.perf_counter() - t0)
         out[key] = float(np.median(times))
     return out

@@ -391,8 +391,10 @@ def test_a_profile_without_the_wide_loop_is_measured_again(run_config):
     prof.extra.update(loop_verify_wide={"32": 3.0})
     assert remeasure_reason(prof, cfg) == ""
     chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
-                       "tree.budgets=[1,2,4,8]")  # a verifier of chains verifies no wide tree
-    assert times_wide_loop(drafter_class("draft_model"), chain, depth_tree(chain)) is False
+                       "tree.budgets=[1,2,4,8]")  # a verifier of chains: the wide tree under Sequoia's
+    assert times_wide_loop(drafter_class("draft_model"), chain, depth_tree(chain)) is True
+    assert "wide tree" in remeasure_reason(dataclasses.replace(prof, extra={
+        **prof.extra, "loop_verify_wide": {}}), chain)
     lookup = run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")  # no drafter on another tree
     assert times_wide_loop(drafter_class("prompt_lookup"), lookup, depth_tree(lookup)) is False
     medusa = run_config("method=medusa", "tree=sequoia", "tree.budgets=[1,2,4,8]")  # its pass per tree
@@ -1091,7 +1093,7 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     prof = dataclasses.replace(_profile(), drafter="specinfer")
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
-                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in shape_names(cfg)],
+                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in [*shape_names(cfg), WIDE_SHAPE]],
                       loop_verify_wide={"33": 1.0}, draft_level_timing="drafter", star_estimator="exact")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
@@ -1329,8 +1331,11 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan}), cfg)
     chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
                        "tree.budgets=[1,2,4,8]")
-    assert remeasure_reason(dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan[:2]}),
-                            chain) == ""  # a chain verifier: the chains alone are timed
+    # a chain verifier's request reads the trees too (a Sequoia row shares its key): an older calibration
+    # under it, which timed the chains alone, is measured again
+    assert remeasure_reason(prof, chain) == ""
+    assert "every tree shape" in remeasure_reason(
+        dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan[:2]}), chain)
     lookup = dataclasses.replace(old, drafter="prompt_lookup")  # no draft levels of its own: none timed
     assert remeasure_reason(lookup, run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")) == ""
 
@@ -1747,3 +1752,66 @@ def test_the_first_draft_timer_takes_the_first_steps_excess_out_of_the_shapes_st
     assert out[(calibrate_module.QSHAPE, "fan4")] == pytest.approx((18.0 - 3.0) / 7)
     one = calibrate_module.FirstDraftTimer(Fake())
     assert one.excess_s() == 0.0  # nothing timed: nothing to take out
+
+
+@pytest.mark.parametrize("first, second", [("chain", "sequoia"), ("sequoia", "chain")])
+def test_one_profile_serves_the_chain_and_the_tree_verifier(run_config, tiny_models, cache, monkeypatch,
+                                                            first, second):
+    """At T = 1 a chain row (Leviathan's verifier: chains only) and a Sequoia row (Sequoia's verifier) of one
+    drafter share the profile key (the star rule is Sequoia's for both). Whichever calibrates first, the
+    other reuses its profile: the calibration times the wide loop, the tree-shaped drafts and the walks of
+    trees under a tree verifier whatever the run's (zoo12: six chain T1 profiles were measured twice, the
+    Sequoia rows finding "the loop's verification not timed on a wide tree")."""
+    monkeypatch.setattr(cost_table_module, "MAX_TIMING_DISPERSION", float("inf"))  # the cache under test
+    calls = []
+    real = calibrate_module.measure_profile
+
+    def counting(cfg, models=None, show_progress=True):
+        calls.append(cfg.method.verifier)
+        return real(cfg, models, show_progress=False)
+
+    monkeypatch.setattr(calibrate_module, "measure_profile", counting)
+    rows = {"chain": run_config(*_with("method=vanilla", "workload.temperature=1", "method.verifier=chain")),
+            "sequoia": run_config(*_with("method=vanilla", "tree=sequoia", "workload.temperature=1",
+                                         "method.verifier=sequoia", f"tree.budgets={BUDGETS}"))}
+    cfgs = {v: profiles_module.profile_config(cfg) for v, cfg in rows.items()}
+    path = profile_path(cfgs[first])
+    assert profile_path(cfgs[second]) == path  # one key: the verifier is not in it
+    prof = ensure_profile(cfgs[first], tiny_models, show_progress=False)
+    before = path.read_text()
+    assert ensure_profile(cfgs[second], tiny_models, show_progress=False) == prof
+    assert len(calls) == 1 and path.read_text() == before  # reused: the same file, the same created stamp
+    for cfg in cfgs.values():
+        assert remeasure_reason(prof, cfg) == ""
+    # what the Sequoia row's prediction reads: the loop's verification on the wide tree, the draft on every
+    # tree shape, the verifier's walk of trees at each timed size
+    assert prof.extra["loop_verify_wide"] and str(WIDE_NODES) in prof.extra["loop_verify_wide"]
+    timed = {s["shape"] for s in prof.extra["draft_shape_ratios"] if "fed" in s}
+    assert timed == {"loop", "chain1", "star8", "fan4", "fan2", WIDE_SHAPE}
+    assert set(prof.extra["verify_step_ratios"]) == {"0", *(str(n) for n in prof.t_n if n > 1)}
+    assert draft_terms(prof) is not None
+    for v, tree in (("sequoia", wide_tree(8)), ("chain", Tree.chain(4))):  # each row's tree priced
+        here, _ = tree_predictions(rows[v], prof, tree)
+        assert here["predicted_speedup"] > 0
+
+
+def test_a_chain_verifiers_calibration_times_medusas_trees_in_the_tree_verifiers_mode(
+        run_config, tiny_models, cache, monkeypatch):
+    """Medusa's chain row at T = 1 (Leviathan's verifier: the heads draw with replacement) calibrates the
+    profile its Sequoia rows read: its pass per tree and its wide loop are timed with the heads drawing as
+    Sequoia's verifier has them draw (without replacement), so the Sequoia row finds all it needs."""
+    monkeypatch.setattr(cost_table_module, "MAX_TIMING_DISPERSION", float("inf"))
+    medusa = ("method=medusa", "+method.params.heads=init", "method.params.num_heads=3",
+              "workload.temperature=1")
+    chain = run_config(*_with(*medusa, "tree=chain", "method.verifier=chain"))
+    sequoia = run_config(*_with(*medusa, "tree=sequoia", f"tree.budgets={BUDGETS}",
+                                "method.verifier=sequoia"))
+    pchain, pseq = profiles_module.profile_config(chain), profiles_module.profile_config(sequoia)
+    assert calibrate_module.tree_verifier(pchain) == Verifier.sequoia
+    assert calibrate_module.tree_verifier(pseq) == Verifier.sequoia
+    run = calibrate_module._setup(pchain, tiny_models, SimpleNamespace(update=lambda *a: None))
+    assert run.drafter.mode == "with_replacement" and calibrate_module.tree_drafter(run).mode == "without"
+    assert calibrate_module.wide_drafter(run).mode == "without"
+    prof = ensure_profile(pchain, tiny_models, show_progress=False)
+    assert prof.extra["loop_verify_wide"] and prof.extra["draft_pass_tree_ratios"]
+    assert remeasure_reason(prof, pseq) == "" and remeasure_reason(prof, pchain) == ""
