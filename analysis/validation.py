@@ -93,8 +93,7 @@ def _insample(args: argparse.Namespace) -> int:
     selected = vi.select(args.dir, args.rows, args.tau_misses)
     out = args.out or vi.default_out(args.dir)
     if args.dry_run:
-        for d in selected:
-            print(d.name, " ".join(vi.insample_overrides(d, vi.cache_root())))
+        print("\n".join(vi.dry_run_lines(selected, vi.cache_root())))
         return 0
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     outcomes = vi.run_insample(selected, out, deadline=deadline)

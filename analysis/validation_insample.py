@@ -80,6 +80,19 @@ def insample_overrides(row_dir: Path, cache: Path) -> list[str]:
             "workload.tau_se_target=0", f"seed={int(cfg.seed)}", "calibration.cached_only=true"]
 
 
+def dry_run_lines(selected: list[Path], cache: Path) -> list[str]:
+    """What ``insample --dry-run`` prints: each row's in-sample overrides, or why it would be refused
+    (:func:`check_cached`; a profile whose timings scattered is never cached, so its rows are refused)."""
+    lines = []
+    for d in selected:
+        try:
+            check_cached(d, cache)
+            lines.append(f"{d.name} {' '.join(insample_overrides(d, cache))}")
+        except ValueError as e:
+            lines.append(f"{d.name} refused: {e}")
+    return lines
+
+
 def insample_row(row_dir: Path, cache: Path) -> vr.Row:
     doc = vr.read_row(Path(row_dir)) or {}
     return vr.Row(doc["method"], doc["tree"], doc["workload"], float(doc["temperature"]),

@@ -79,6 +79,17 @@ def test_a_row_whose_profile_is_not_cached_is_refused_before_anything_runs(tmp_p
     assert not out.exists()
 
 
+def test_a_dry_run_lists_a_row_whose_profile_is_not_cached_as_refused(tmp_path):
+    """A profile whose timings scattered is used by its row but never cached: the dry run says so instead of
+    failing on the missing file."""
+    sweep = _sweep(tmp_path)
+    [line] = vi.dry_run_lines([sweep / ROW], tmp_path / "cache")
+    assert line.startswith(f"{ROW} refused:") and "would calibrate anew" in line
+    _edit_metrics(sweep / ROW, profile_t1_s=1.0)
+    [line] = vi.dry_run_lines([sweep / ROW], _cache(tmp_path, sweep / ROW, t_ar_s=1.0))
+    assert line.startswith(ROW) and "workload.split=calibration" in line
+
+
 def _fake_python(tmp_path: Path, profile: str) -> str:
     """A stand-in for ``python run.py ...``: writes the sweep row's metrics.json into hydra.run.dir with
     ``profile`` as the profile it used, and records its command line."""
