@@ -112,9 +112,6 @@ def greedy_continuations(model: PreTrainedModel, prompts: list[list[int]], max_n
 
 
 # ---- verification cost t(n) ---------------------------------------------------------------------------
-_DECODE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
 def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: int = 7) -> dict[int, float]:
     """Median wall time (ms) of the decode loop's verify forward over n tree tokens after a ``context``-token
     cache, for n in ``sizes``, on a copy of ``model`` in the zoo's decode dtype (bf16, or float32 where
@@ -123,7 +120,7 @@ def forward_times(model: PreTrainedModel, sizes: list[int], context: int, reps: 
     from methods.core.engine import ModelEngine
     from methods.core.timing import verify_times
 
-    m = copy.deepcopy(model).to(_DECODE_DTYPES[speed_dtype("bfloat16")]).eval()
+    m = copy.deepcopy(model).to(getattr(torch, speed_dtype("bfloat16"))).eval()
     ids = torch.randint(0, m.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     times = verify_times(ModelEngine(m, capacity=context + max(sizes)), ids, sizes, reps, warmup=2)
     return {n: 1e3 * t for n, t in times.items()}
