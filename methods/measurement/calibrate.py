@@ -712,11 +712,11 @@ def shape_drafters(run: _Run) -> dict[str, Any]:
     if not times_draft_shapes(run.drafter, run.cfg, shape_tree(run)):
         return {}
     return {name: build_drafter(tree_method(run.cfg), DRAFT_SHAPES[name], run.models, run.sampling)
-            for name in shape_names(run.cfg) if name != LOOP_SHAPE}
+            for name in shape_names() if name != LOOP_SHAPE}
 
 
-def shape_names(cfg: RunConfig) -> list[str]:
-    """The calibration's own chain and every shape of DRAFT_SHAPES, whatever ``cfg``'s verifier (the trees
+def shape_names() -> list[str]:
+    """The calibration's own chain and every shape of DRAFT_SHAPES, whatever the run's verifier (the trees
     under :func:`tree_verifier`)."""
     return [LOOP_SHAPE, *DRAFT_SHAPES]
 
@@ -1495,7 +1495,7 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
     if times_own_level(kind, cfg) and profile.extra.get("draft_level_timing") != "drafter":
         return "draft levels timed on the draft model, not the drafter's own (an older calibration)"
     timed = {s["shape"] for s in profile.extra.get("draft_shape_ratios") or [] if "fed" in s}
-    if times_draft_shapes(kind, cfg, depth_tree(cfg)) and not timed >= set(shape_names(cfg)):
+    if times_draft_shapes(kind, cfg, depth_tree(cfg)) and not timed >= set(shape_names()):
         return "the loop's draft not timed on every tree shape (an older calibration)"
     if times_wide_loop(kind, cfg, depth_tree(cfg)) and not profile.extra.get("loop_verify_wide"):
         return "the loop's verification not timed on a wide tree (an older calibration)"

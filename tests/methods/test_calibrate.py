@@ -1093,13 +1093,13 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     prof = dataclasses.replace(_profile(), drafter="specinfer")
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
-                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in [*shape_names(cfg), WIDE_SHAPE]],
+                      draft_shape_ratios=[{"shape": n, "fed": 1} for n in [*shape_names(), WIDE_SHAPE]],
                       loop_verify_wide={"33": 1.0}, draft_level_timing="drafter", star_estimator="exact")
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
     greedy = run_config("method=specinfer", "tree=chain", budgets)
-    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in [*shape_names(greedy), WIDE_SHAPE]]
+    old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in [*shape_names(), WIDE_SHAPE]]
     assert remeasure_reason(old, greedy) == ""  # greedy stars: as before (its draft on the wide tree too)
     # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
     online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
