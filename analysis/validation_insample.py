@@ -80,17 +80,23 @@ def insample_overrides(row_dir: Path, cache: Path) -> list[str]:
             "workload.tau_se_target=0", f"seed={int(cfg.seed)}", "calibration.cached_only=true"]
 
 
-def dry_run_lines(selected: list[Path], cache: Path) -> list[str]:
-    """What ``insample --dry-run`` prints: each row's in-sample overrides, or why it would be refused
-    (:func:`check_cached`; a profile whose timings scattered is never cached, so its rows are refused)."""
-    lines = []
-    for d in selected:
+def refusals(row_dirs: Sequence[Path], cache: Path) -> dict[Path, str]:
+    """Why :func:`check_cached` refuses each refused row (a profile whose timings scattered is never
+    cached, so its rows are refused)."""
+    out = {}
+    for d in row_dirs:
         try:
             check_cached(d, cache)
-            lines.append(f"{d.name} {' '.join(insample_overrides(d, cache))}")
         except ValueError as e:
-            lines.append(f"{d.name} refused: {e}")
-    return lines
+            out[d] = str(e)
+    return out
+
+
+def dry_run_lines(selected: list[Path], cache: Path) -> list[str]:
+    """What ``insample --dry-run`` prints: each row's in-sample overrides, or why it would be refused."""
+    refused = refusals(selected, cache)
+    return [f"{d.name} refused: {refused[d]}" if d in refused else
+            f"{d.name} {' '.join(insample_overrides(d, cache))}" for d in selected]
 
 
 def insample_row(row_dir: Path, cache: Path) -> vr.Row:
@@ -157,17 +163,14 @@ def run_insample(row_dirs: Sequence[Path], out: Path, cache: Path | None = None,
     :func:`check_cached` refuses is not run: its outcome is "refused" (every refusal is known before the
     first run), and the other rows run."""
     cache = cache or cache_root()
-    outcomes, runnable = [], []
-    for d in row_dirs:
-        try:
-            check_cached(d, cache)
-            runnable.append(d)
-        except ValueError as e:
-            doc = vr.read_row(Path(d)) or {}
-            row = vr.Row(doc.get("method", ""), doc.get("tree", ""), doc.get("workload", ""),
-                         float(doc.get("temperature", 0.0)), ())
-            outcomes.append(vr.Outcome(row, "refused", 0.0, str(e)))
-            print(f"{Path(d).name}: refused: {e}", file=sys.stderr, flush=True)
+    refused = refusals(row_dirs, cache)
+    outcomes, runnable = [], [d for d in row_dirs if d not in refused]
+    for d, why in refused.items():
+        doc = vr.read_row(Path(d)) or {}
+        row = vr.Row(doc.get("method", ""), doc.get("tree", ""), doc.get("workload", ""),
+                     float(doc.get("temperature", 0.0)), ())
+        outcomes.append(vr.Outcome(row, "refused", 0.0, why))
+        print(f"{Path(d).name}: refused: {why}", file=sys.stderr, flush=True)
     by_id = {Path(d).name: Path(d) for d in runnable}
     rows = [insample_row(d, cache) for d in runnable]
     return outcomes + vr.run_rows(rows, Path(out), python, deadline,
