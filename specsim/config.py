@@ -213,6 +213,11 @@ class CalibrationConfig:
     median_se: float = 0.03
     warmup: int = 2
     context_tokens: int = 0  # KV length for t(n); 0 = workload.context_tokens
+    # tree sizes timed beside tree.budgets and the run's own tree: runs that share a profile (its key has no
+    # tree) but select among fewer budgets — a sweep's Sequoia-8 and Sequoia-32 rows — then find every t(n)
+    # and draft level they need in it, whichever of them calibrated first (without it, the Sequoia-32 row
+    # found no t(32) in the Sequoia-8 row's profile and measured it again under the same key, zoo13cpu)
+    sizes: list[int] = field(default_factory=list)
     # never calibrate: a run whose cached profile (or dynamic trees) is missing or would be measured again
     # fails instead (analysis.validation insample re-runs a row on the profile it was predicted with). A
     # stale mark does not count: it is about t(1) only, which every run re-anchors on its own baseline
@@ -362,6 +367,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_method(cfg.method)
     _validate_tree(cfg.tree)
     _validate_tree_size(cfg.tree)
+    bad = [n for n in cfg.calibration.sizes if not 1 <= n <= MAX_TREE_NODES]
+    _check(not bad, "calibration.sizes", f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), "
+           f"got {bad}")
     _validate_hardware(cfg.hardware)
     _validate_model(cfg.model, cfg.method)
     w, m = cfg.workload, cfg.model

@@ -92,6 +92,7 @@ TREE = [
     Bad(("task=simulate", "method=sequoia", "tree.budgets=[]"), ("tree.budgets", ">= 1"), slow=SLOW),
     Bad(("task=simulate", "method=sequoia", "tree.budgets=[8,4096]"), ("tree.budgets", "1024", "4096"),
         slow=SLOW),
+    Bad(("task=simulate", "calibration.sizes=[8,0]"), ("calibration.sizes", "1024", "[0]")),
     Bad(("method=medusa", "tree.paths=[]"), ("tree.paths", "non-empty"), slow=SLOW),
     Bad(("method=medusa", "tree.paths=[[0],[0]]"), ("tree.paths", "twice"), slow=SLOW),
     Bad(("method=medusa", "tree.paths=[[0,-1]]"), ("tree.paths", ">= 0"), slow=SLOW),

@@ -1207,7 +1207,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     # tree — SpecInfer's merged drafts too: its members' shared prefixes are verified once (at T = 0 the
     # zoo's union of 3 chains of 4 verified 5-9 of its 13 nodes; beside t(13) its overhead read 0)
     forward = loop_forward_tokens(cfg, run, drafted)
-    sizes = sorted({1, run.tree.size, forward, *(int(b) for b in cfg.tree.budgets)})
+    sizes = sorted({1, run.tree.size, forward, *(int(b) for b in (*cfg.tree.budgets, *cal.sizes))})
     wide = wide_drafter(run)  # every step's draft counted, the generation's cut last ones too (depth 0)
     wide = SizeRecorder(wide, 0) if wide is not None else None
     timing = time.perf_counter()

@@ -193,6 +193,15 @@ def test_profile_layout_round_trip_and_cache(run_config, tiny_models, cache, mon
     wider = run_config(*_with("tree.budgets=[1,2,4,8,16]", "method=vanilla"))
     assert profile_path(wider) == path  # same key, but t(16) is missing: measured again
     assert 16 in ensure_profile(wider, tiny_models).t_n and len(calls) == 2
+    # calibration.sizes: timed whatever the run's budgets, so a run of the same key that selects among
+    # other budgets finds them (a sweep's Sequoia-8 row calibrating before its Sequoia-32 row)
+    timed = run_config(*_with("tree.budgets=[1,2,4,8]", "calibration.sizes=[32]", "method=vanilla"))
+    assert profile_path(timed) == path
+    path.unlink()
+    prof = ensure_profile(timed, tiny_models)
+    assert {32, *BUDGETS} <= set(prof.t_n) and "32" in prof.extra["draft_level_ratios"] and len(calls) == 3
+    assert ensure_profile(run_config(*_with("tree.budgets=[32]", "method=vanilla")), tiny_models) == prof
+    assert len(calls) == 3
 
 
 def _with(*overrides: str) -> tuple[str, ...]:
