@@ -195,10 +195,11 @@ def _save(model, tokenizer, where: Path, report: dict, info: dict) -> None:
 
 def zoo_of(model) -> ZooConfig | None:
     """The zoo preset a loaded model belongs to, from the checkpoint dir it was loaded from
-    (``<cache>/zoo/<name>-<key>/<role>``), when that key is the preset's; else None."""
-    from methods.zoo.build import PRESETS
+    (``<cache>/zoo/<name>-<key>/<role>``), when that key is the preset's as this machine builds it (a
+    float32-trained zoo where bf16 is slow: ``build.preset``); else None."""
+    from methods.zoo.build import PRESETS, preset
 
     where = Path(getattr(model.config, "_name_or_path", "") or "")
     name, _, key = where.parent.name.rpartition("-")
-    cfg = PRESETS.get(name)
+    cfg = preset(name) if name in PRESETS else None
     return cfg if cfg is not None and zoo_key(cfg) == key else None

@@ -61,6 +61,27 @@ def test_the_zoo_key_follows_the_training_dtype(bf16_speed):
     assert build.preset("micro") == build.PRESETS["micro"]  # trained in float32 already
 
 
+def test_a_zoo_model_is_recognised_under_the_key_this_machine_builds(bf16_speed, tmp_path):
+    """The extra drafts (SpecInfer's boost, Online SD's prose) find their zoo from the target's checkpoint
+    dir: a float32-trained zoo's key must be recognised where bf16 is slow (it was not: both methods
+    refused the zoo's own target on an AVX2 machine)."""
+    from methods.zoo.drafts import zoo_of
+
+    def loaded_from(cfg=None, where: str = "") -> torch.nn.Module:
+        model = torch.nn.Linear(2, 2)
+        where = where or str(tmp_path / f"default-{build.zoo_key(cfg)}" / "target")
+        model.config = type("Config", (), {"_name_or_path": where})()
+        return model
+
+    for speed in ("slow", "fast"):
+        bf16_speed(speed)
+        here = build.preset("default")
+        assert zoo_of(loaded_from(here)) == here
+    bf16_speed("slow")
+    assert zoo_of(loaded_from(build.PRESETS["default"])) is None  # the bf16 zoo is not this machine's
+    assert zoo_of(loaded_from(where=str(tmp_path / "my-checkpoint"))) is None
+
+
 def test_the_layerskip_variant_key_follows_the_training_dtype(bf16_speed, tmp_path):
     target = torch.nn.Linear(4, 4)
     recipe = layerskip.LayerSkipRecipe()
