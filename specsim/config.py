@@ -367,9 +367,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_method(cfg.method)
     _validate_tree(cfg.tree)
     _validate_tree_size(cfg.tree)
-    bad = [n for n in cfg.calibration.sizes if not 1 <= n <= MAX_TREE_NODES]
-    _check(not bad, "calibration.sizes", f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), "
-           f"got {bad}")
+    _check_node_counts(cfg.calibration.sizes, "calibration.sizes")
     _validate_hardware(cfg.hardware)
     _validate_model(cfg.model, cfg.method)
     w, m = cfg.workload, cfg.model
@@ -446,14 +444,18 @@ def _tree_nodes(t: TreeConfig) -> int | None:
     return None
 
 
+def _check_node_counts(sizes: list[int], key: str) -> None:
+    """Tree sizes (nodes incl. the root) that one forward can verify."""
+    bad = [n for n in sizes if not 1 <= n <= MAX_TREE_NODES]
+    _check(not bad, key, f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), got {bad}")
+
+
 def _validate_tree_size(t: TreeConfig) -> None:
     """Sizes a run can afford: larger trees would stall the run (Sequoia's DP, a k-ary tree's k^depth)."""
     _check(t.depth <= MAX_TREE_LEVELS, "tree.depth", f"must be in [1, {MAX_TREE_LEVELS}], got {t.depth}")
     _check(t.max_levels <= MAX_TREE_LEVELS, "tree.max_levels",
            f"must be in [2, {MAX_TREE_LEVELS}] (levels incl. the root), got {t.max_levels}")
-    bad = [b for b in t.budgets if b > MAX_TREE_NODES]
-    _check(not bad, "tree.budgets", f"entries must be in [1, {MAX_TREE_NODES}] (nodes incl. the root), "
-           f"got {bad}")
+    _check_node_counts(t.budgets, "tree.budgets")
     n = _tree_nodes(t)
     _check(n is None or n <= MAX_TREE_NODES, "tree", f"tree={t.name} (kind {t.kind.value}) has {n} nodes; "
            f"at most {MAX_TREE_NODES} are verified in one forward")
