@@ -29,6 +29,7 @@ import numpy as np
 
 from specsim.cost import CostModel
 from specsim.expected import tokens_per_forward
+from specsim.run_steps import RunShares
 from specsim.tree import Tree
 
 
@@ -174,10 +175,13 @@ def exit_law(table: ConfidenceTable, threshold: float, gamma: int) -> ExitLaw:
 
 @dataclass(frozen=True)
 class RunPrediction:
-    """A run under the rule, in expectation: per step its threshold and law."""
+    """A run under the rule, in expectation: per step its threshold and law. ``cut``: the laws of the steps
+    a generation's end cut (fewer tokens left than γ; :func:`replay_path` walks them, the mean field does
+    not), which τ leaves out and the run's time does not."""
 
     thresholds: tuple[float, ...]
     laws: tuple[ExitLaw, ...]
+    cut: tuple[ExitLaw, ...] = ()
 
     @property
     def tau(self) -> float:
@@ -207,20 +211,32 @@ class RunPrediction:
 
     def decode_speedup(self, cost: CostModel, n_tokens: int) -> float:
         """The speedup of a generation of ``n_tokens`` (a measure run's decode_speedup): the tokens per
-        forward after the last step's cut, over the mean step."""
-        return self.tokens_per_forward(n_tokens) * cost.ar_time / self.step_time(cost)
+        forward after the last step's cut, over the mean step of the run, its cut steps included (they draft
+        and verify no further than the room: Draft & Verify code T0, 48 × 32, γ = 5, one step in nine)."""
+        return self.tokens_per_forward(n_tokens) * cost.ar_time / self.step_time(cost, run=True)
 
-    def step_time(self, cost: CostModel) -> float:
+    def step_time(self, cost: CostModel, run: bool = False) -> float:
         """Mean seconds per step: the draft forwards at the cost model's draft step and the verify of the
-        chain actually drafted (its expectation over the draft length)."""
+        chain actually drafted (its expectation over the draft length); ``run``: over the cut steps too."""
         step = cost.draft.per_depth(cost.ar_time)[0]
         verify = {k: cost.tree_verify_time(Tree.chain(k)) for k in range(self.laws[0].drafted.size)}
+        laws = self.laws + self.cut if run else self.laws
         return float(np.mean([law.forwards * step + sum(p * verify[k] for k, p in enumerate(law.drafted))
-                              for law in self.laws]))
+                              for law in laws]))
 
-    def draft_time(self, cost: CostModel) -> float:
-        """Mean seconds of drafting per step: the draft forwards the exit rule lets run, at the draft step."""
-        return float(np.mean([law.forwards for law in self.laws])) * cost.draft.per_depth(cost.ar_time)[0]
+    def draft_time(self, cost: CostModel, run: bool = False) -> float:
+        """Mean seconds of drafting per step: the draft forwards the exit rule lets run, at the draft step;
+        ``run``: over the cut steps too."""
+        laws = self.laws + self.cut if run else self.laws
+        return float(np.mean([law.forwards for law in laws])) * cost.draft.per_depth(cost.ar_time)[0]
+
+    def run_shares(self, cost: CostModel) -> RunShares:
+        """The run's mean draft and verify per step over the kept steps' (specsim.run_steps.RunShares): the
+        cut steps drafted no further than their room (1.0 without cut steps)."""
+        draft, step = self.draft_time(cost), self.step_time(cost)
+        run_draft, run_step = self.draft_time(cost, run=True), self.step_time(cost, run=True)
+        return RunShares(run_draft / draft if draft > 0 else 1.0,
+                         (run_step - run_draft) / (step - draft) if step > draft else 1.0)
 
     def speedup(self, cost: CostModel) -> float:
         """S = τ · t_AR / t_step over the run (its tokens over its time)."""
@@ -228,10 +244,12 @@ class RunPrediction:
 
 
 def threshold_path(table: ConfidenceTable, rule: ExitRule, gamma: int, tokens: float,
-                   skip_tokens: float = 0.0) -> RunPrediction:
+                   skip_tokens: float = 0.0, generation: float = 0.0) -> RunPrediction:
     """The rule's threshold step by step (mean field) until ``tokens`` are generated; the steps of the first
-    ``skip_tokens`` (a warm-up the run does not measure) are left out of the result but move the threshold."""
-    th, done = rule.threshold, 0.0
+    ``skip_tokens`` (a warm-up the run does not measure) are left out of the result but move the threshold.
+    ``generation``: the tokens of one generation (0: one unending generation). The step that ends a
+    generation moves no threshold: the loop ends the generation before that step's feedback."""
+    th, done, in_generation = rule.threshold, 0.0, 0.0
     kept_th, kept_law = [], []
     laws: dict[float, ExitLaw] = {}
     while done < tokens or not kept_law:
@@ -241,61 +259,89 @@ def threshold_path(table: ConfidenceTable, rule: ExitRule, gamma: int, tokens: f
             kept_th.append(th)
             kept_law.append(law)
         done += law.tau
-        if rule.adaptive:
+        in_generation += law.tau
+        if generation > 0 and in_generation >= generation:
+            in_generation = 0.0  # the generation's last step: no feedback
+        elif rule.adaptive:
             th = min(1.0, max(0.0, th + drift(rule, law)))
     return RunPrediction(tuple(kept_th), tuple(kept_law))
 
 
-def _point_law(gamma: int, k: int, j: int, forwards: int) -> ExitLaw:
+def _point_law(gamma: int, k: int, accepted: np.ndarray, forwards: int) -> ExitLaw:
+    """One step's law: k drafts, ``accepted`` the law of the accepted count j = 0..k."""
     joint = np.zeros((gamma + 1, gamma + 1))
-    joint[k, j] = 1.0
+    joint[k, : k + 1] = accepted
     return ExitLaw(joint, float(forwards))
 
 
-def replay_path(runs: Sequence[tuple[Sequence[Sequence[float]], Sequence[int]]], rule: ExitRule, gamma: int,
-                tokens: float, skip_tokens: float = 0.0) -> RunPrediction:
-    """The rule replayed on the calibration's own trajectories and the drafter's own chains (temperature 0)
-    instead of independent draws from the table.
+def _accepted_law(acc: int | np.ndarray, k: int) -> np.ndarray:
+    """The law of a step's accepted count j = 0..k: a point at min(k, acc) where ``acc`` is the leading run
+    (temperature 0); P(j ≥ m) = a_1···a_m where it is the drafts' acceptance probabilities (sampled)."""
+    law = np.zeros(k + 1)
+    if np.ndim(acc) == 0:
+        law[min(k, int(acc))] = 1.0
+        return law
+    survive = np.concatenate([[1.0], np.cumprod(np.clip(np.asarray(acc, float)[:k], 0, 1))])
+    law[:k] = survive[:k] - survive[1 : k + 1]
+    law[k] = survive[k]
+    return law
+
+
+def replay_path(runs: Sequence[tuple[Sequence[Sequence[float]], Sequence]], rule: ExitRule, gamma: int,
+                tokens: float, skip_tokens: float = 0.0, replicas: int = 8, seed: int = 0) -> RunPrediction:
+    """The rule replayed on the calibration's own trajectories and the drafter's own chains instead of
+    independent draws from the table.
 
     ``runs``: per trajectory, per root t in order, (c_1..c_g) — the confidences of the chain the drafter
-    drafts from t without the exit (its depth-d forward reads its earlier drafts' KV) — and how many of its
-    leading drafts p's greedy tokens accept. At temperature 0 the loop walks the target's own trajectory: a
-    step rooted at t drafts depth d ≥ 2 while c_d ≥ γ_th, accepts min(k, leading run), and the next step is
-    rooted where it ended; the rule's state carries from step to step and trajectory to trajectory, the
-    trajectories taken in turn until ``tokens`` are generated. Why: the table reads depth d's confidence as
-    depth 1's at an independent position, where the chain's deeper drafts read the drafter's own KV and easy
-    text comes in runs (Draft & Verify code T0, 64 × 48 calibration: the table's rule settled at 0.96, the
-    loop's at 0.845, τ −2.9%). Steps the trajectory's end cuts (fewer roots left than γ) move the rule but
-    are left out, as a measured τ leaves them out (specsim.tau_error.steady_lengths); so are the steps of the
-    first ``skip_tokens``. Each kept step is a point law (:class:`ExitLaw`), so the run's figures are its
-    steps'. Chains recorded shorter than γ draft at most as deep as recorded."""
+    drafts from t without the exit (its depth-d forward reads its earlier drafts' KV) — and its acceptance:
+    at temperature 0 how many of its leading drafts p's greedy tokens accept; for sampled drafts the rejection
+    rule's probability of each draft (a_1..a_g). The loop walks the trajectory: a step rooted at t drafts
+    depth d ≥ 2 while c_d ≥ γ_th, accepts j drafts (min(k, leading run); sampled: P(j ≥ m) = a_1···a_m, kept
+    as the step's law, the walk going on by a draw from it — the trajectory's own next token standing for the
+    one the rejection resamples — over ``replicas`` walks), and the next step is rooted where it ended; the
+    rule's state carries from step to step and trajectory to trajectory, the trajectories taken in turn until
+    ``tokens`` are generated. Why: the table reads depth d's confidence as depth 1's at an independent
+    position, where the chain's deeper drafts read the drafter's own KV and easy text comes in runs (Draft &
+    Verify code T0, 64 × 48 calibration: the table's rule settled at 0.96, the loop's at 0.845, τ −2.9%).
+    Steps the trajectory's end cuts (fewer roots left than γ) move the rule but are left out, as a measured τ
+    leaves them out (specsim.tau_error.steady_lengths); so are the steps of the first ``skip_tokens``. Chains
+    recorded shorter than γ draft at most as deep as recorded. The step that ends a trajectory moves no
+    threshold: the loop (methods.core.loop) ends a generation before that step's feedback (updating there too
+    put the replay's threshold one update per generation ahead of the loop's: Draft & Verify code T0
+    in-sample, 48 × 32, τ +3.8%, where the loop's own thresholds replay its every step exactly)."""
     assert gamma >= 1, f"the longest draft {gamma} must be >= 1"
-    seqs = [([np.asarray(c, float) for c in confs], np.asarray(acc, int)) for confs, acc in runs]
-    assert seqs and all(len(c) == a.size for c, a in seqs), "each trajectory: one accepted run per root"
+    seqs = [([np.asarray(c, float) for c in confs], [a if np.ndim(a) == 0 else np.asarray(a, float)
+                                                      for a in acc]) for confs, acc in runs]
+    assert seqs and all(len(c) == len(a) for c, a in seqs), "each trajectory: one acceptance per root"
     assert any(len(c) >= gamma for c, _ in seqs), f"no trajectory holds a full draft of {gamma}"
-    th, smoothed, done = rule.threshold, rule.target_acceptance, 0.0
+    sampled = any(np.ndim(a) > 0 for _, acc in seqs for a in acc)
+    rng = np.random.default_rng(seed)
     kept_th: list[float] = []
     kept_law: list[ExitLaw] = []
-    laws: dict[tuple[int, int, int], ExitLaw] = {}
-    i = 0
-    while done < tokens or not kept_law:
-        confs, acc = seqs[i % len(seqs)]
-        i += 1
-        t, n = 0, len(confs)
-        while t < n:
-            conf = confs[t]
-            g = max(1, min(gamma, n - t, conf.size))
-            k = 1
-            while k < g and conf[k] >= th:
-                k += 1
-            j = min(k, int(acc[t]))
-            forwards = k + 1 if k < g else k  # a forward below the threshold was paid for
-            if done >= skip_tokens and n - t >= gamma:
-                key = (k, j, forwards)
-                kept_th.append(th)
-                kept_law.append(laws.get(key) or laws.setdefault(key, _point_law(gamma, k, j, forwards)))
-            done += min(j + 1, n - t)
-            t += j + 1
-            if rule.adaptive:
-                th, smoothed = next_state(rule, th, smoothed, j / k)
-    return RunPrediction(tuple(kept_th), tuple(kept_law))
+    cut_law: list[ExitLaw] = []
+    for _ in range(replicas if sampled else 1):
+        th, smoothed, done, i, kept = rule.threshold, rule.target_acceptance, 0.0, 0, 0
+        while done < tokens or not kept:
+            confs, acc = seqs[i % len(seqs)]
+            i += 1
+            t, n = 0, len(confs)
+            while t < n:
+                conf = confs[t]
+                g = max(1, min(gamma, n - t, conf.size))
+                k = 1
+                while k < g and conf[k] >= th:
+                    k += 1
+                law = _accepted_law(acc[t], k)
+                j = int(rng.choice(k + 1, p=law)) if sampled else int(np.argmax(law))
+                forwards = k + 1 if k < g else k  # a forward below the threshold was paid for
+                if done >= skip_tokens and n - t >= gamma:
+                    kept_th.append(th)
+                    kept_law.append(_point_law(gamma, k, law, forwards))
+                    kept += 1
+                elif done >= skip_tokens:
+                    cut_law.append(_point_law(gamma, k, law, forwards))
+                done += min(j + 1, n - t)
+                t += j + 1
+                if rule.adaptive and t < n:  # the step that ends the generation gets no feedback in the loop
+                    th, smoothed = next_state(rule, th, smoothed, j / k)
+    return RunPrediction(tuple(kept_th), tuple(kept_law), tuple(cut_law))

@@ -726,11 +726,11 @@ def exit_prediction(cfg: RunConfig, profile: Profile, tree: Tree) -> RunPredicti
     w = cfg.workload
     tokens, skip = (cfg.warmup + w.num_prompts) * w.max_new_tokens, cfg.warmup * w.max_new_tokens
     runs = table.get("runs") or []
-    if w.temperature == 0 and max((len(c) for confs, _ in runs for c in confs), default=0) >= tree.depth:
+    if max((len(c) for confs, _ in runs for c in confs), default=0) >= tree.depth:
         # the rule replayed on the calibration's trajectories and the drafter's own chains (deep enough)
-        return replay_path(runs, rule, tree.depth, tokens, skip)
+        return replay_path(runs, rule, tree.depth, tokens, skip, seed=cfg.seed)
     conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
-    return threshold_path(conf, rule, tree.depth, tokens, skip)
+    return threshold_path(conf, rule, tree.depth, tokens, skip, generation=w.max_new_tokens)
 
 
 def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel, n_tokens: int
@@ -738,7 +738,7 @@ def _exit_summary(base: dict[str, Any], run: RunPrediction, cost: CostModel, n_t
     step, draft = run.step_time(cost), run.draft_time(cost)  # the breakdown of the exit law's step, not the
     # full chain's (its t_draft_s read 8 draft forwards where the rule let 3.15 run); likewise the finite
     # run's cut: the chain's τ law (7.3 tokens per forward for a chain of 8) read a decode speedup 15% above
-    # the steady one where the cut can only lower it
+    # the steady one where the cut lowers the tokens per forward
     return {**base, "predicted_tau": run.tau, "predicted_speedup": run.speedup(cost), "t_step_s": step,
             "t_draft_s": draft, "t_verify_s": step - draft, "tau_law": tuple(run.tau_law),
             "tokens_per_forward": run.tokens_per_forward(n_tokens),
@@ -973,8 +973,9 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     n = cfg.workload.max_new_tokens
     exits = exit_prediction(cfg, profile, tree)
     if exits is not None:  # the adaptive exit drafts fewer than the chain: its law replaces the chain's τ
-        here = _exit_summary(here, exits, CostModel.from_config(here_cfg, measured), n)
-        preset = _exit_summary(preset, exits, CostModel.from_config(preset_cfg), n)
+        exit_costs = CostModel.from_config(here_cfg, measured), CostModel.from_config(preset_cfg)
+        here = _exit_summary(here, exits, exit_costs[0], n)
+        preset = _exit_summary(preset, exits, exit_costs[1], n)
     if multi is not None:  # several drafts merged: τ from the replay, not from per-depth marginals
         draft = member_draft_s(cfg, profile, multi[0])
         if draft is not None:  # each draft model's levels on its own member tree
@@ -1022,8 +1023,10 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
     first = first_draft_s(profile) if cfg.method.draft_steps == "depth" and not (
         shapes and dynamic_draft_s(profile, shapes) is not None) else 0.0
     if exits is not None:  # an adaptive exit drafts fewer levels than its chain: the room cuts only the
-        # drafts longer than it, which the chain's shares over-state (not modelled: the full exit step stands)
-        return _run_steps(here, RunShares(1.0, 1.0), first, n), _run_steps(preset, RunShares(1.0, 1.0))
+        # drafts longer than it, which the chain's shares over-state; the replay walked the cut steps (the
+        # mean field did not: its full exit step stands)
+        return (_run_steps(here, exits.run_shares(exit_costs[0]), first, n),
+                _run_steps(preset, exits.run_shares(exit_costs[1])))
     spare = cfg.method.room_spare
     here = _run_steps(here, run_shares(CostModel.from_config(here_cfg, measured, draft_levels(cfg, profile)),
                                        tree, np.asarray(here["tau_law"]), n, spare), first, n)

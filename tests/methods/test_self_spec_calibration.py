@@ -91,7 +91,10 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     assert here["tokens_per_forward"] == pytest.approx(run.tokens_per_forward(n))
     assert here["tokens_per_forward"] <= here["predicted_tau"]
     assert here["predicted_decode_speedup"] == pytest.approx(run.decode_speedup(cost, n))
-    assert here["predicted_decode_speedup"] <= here["predicted_speedup"]
+    # the run's step: its cut steps (fewer tokens left than γ) draft and verify no further than their room
+    assert here["t_draft_run_s"] == pytest.approx(run.draft_time(cost, run=True))
+    assert here["t_draft_run_s"] <= here["t_draft_s"]
+    assert len(run.cut) > 0 and all(law.drafted.argmax() <= 3 for law in run.cut)
 
 
 def test_prediction_at_the_runs_own_costs():
@@ -131,3 +134,88 @@ def test_the_self_draft_law_is_the_loops_draft_over_the_full_prefix_kv(run_confi
     engine.reset()
     whole = engine.extend(seq, list(range(-1, seq.numel() - 1)), sub=sub).logits[roots]
     assert not torch.allclose(whole, law, atol=1e-3)  # the former law: a different q
+
+
+def _logged(drafter) -> list[list]:
+    """Wrap a Draft & Verify drafter so that each step logs [threshold, drafts k, accepted j or None]."""
+    log: list[list] = []
+    propose, feedback = drafter.propose, drafter.feedback
+
+    def logged_propose(ctx):
+        th = drafter.threshold
+        draft = propose(ctx)
+        log.append([th, draft.tree.depth, None, ctx.max_new])
+        return draft
+
+    def logged_feedback(fb):
+        log[-1][2] = len(fb.accepted) - 1
+        feedback(fb)
+
+    drafter.propose, drafter.feedback = logged_propose, logged_feedback
+    return log
+
+
+def test_the_exit_replay_is_the_loops_every_step(run_config, tiny_models):
+    """Temperature 0: the calibration's chains (_exit_chains) replayed under the rule (replay_path) are the
+    loop's steps on the same prompts — every kept step's threshold, draft length and accepted count, the
+    rule carried from generation to generation with no update after a generation's last step (the loop gives
+    it no feedback). A fast rule (ε = 0.1, no smoothing) makes a missed or extra update show."""
+    import torch
+    from tqdm import tqdm
+
+    from methods.core.engine import ModelEngine
+    from methods.core.loop import DecodeOptions, decode
+    from methods.drafters.draft_verify import DraftVerifyDrafter
+    from methods.measurement.calibrate import _exit_chains, _setup, _trajectories
+    from specsim.config import Verifier
+
+    cfg = run_config(*SMALL, "calibration.new_tokens=14", "calibration.prompts=3", "method=draft_verify",
+                     "method.params.skip=config", "method.params.skip_mlp=[0]", "method.params.skip_attn=[1]",
+                     "method.params.gamma=3", "tree=chain", "tree.gamma=3")
+    run = _setup(cfg, tiny_models, tqdm(disable=True))
+    seqs = _trajectories(run)
+    runs = [_exit_chains(run, ids, seq) for ids, seq in zip(run.prompts, seqs)]
+    rule = ExitRule(threshold=0.5, target_acceptance=0.6, step=0.1, beta1=0.0, beta2=0.0)
+    drafter = DraftVerifyDrafter(run.drafter.sub, 3, run.sampling, rule)
+    target = ModelEngine(run.target.model)
+    drafter.attach(target)
+    log = _logged(drafter)
+    opts = DecodeOptions(Verifier.greedy, run.sampling, cfg.calibration.new_tokens)
+    for ids, seq in zip(run.prompts, seqs):
+        out = decode(target, drafter, ids, opts, torch.Generator().manual_seed(0))
+        assert out.token_ids == seq[ids.numel():].tolist()  # the loop walks the calibration's trajectory
+    tokens = sum(seq.numel() - ids.numel() for ids, seq in zip(run.prompts, seqs))
+    replay = replay_path(runs, rule, 3, tokens)
+    kept = [(th, k, j) for th, k, j, room in log if room >= 3]
+    assert len({round(th, 6) for th, _, _ in kept}) > 2  # the rule moved
+    assert len(replay.laws) == len(kept)
+    assert replay.thresholds == pytest.approx([th for th, _, _ in kept])
+    assert [law.drafted.argmax() for law in replay.laws] == [k for _, k, _ in kept]
+    # a kept step that ended its generation got no feedback: its j is the replay's (steps are point laws)
+    assert [int(law.joint.sum(0).argmax()) for law in replay.laws] == [
+        j if j is not None else int(law.joint.sum(0).argmax()) for (_, _, j), law in zip(kept, replay.laws)]
+
+
+def test_sampled_exit_chains_record_each_drafts_acceptance(run_config, tiny_models):
+    """Sampled drafts (T = 1, the chain verifier): per root the drawn chain's confidences q(x_d) and the
+    rejection rule's min(1, p(x_d)/q(x_d)); a draft skipping nothing is the target itself (every a_d = 1)."""
+    from tqdm import tqdm
+
+    from methods.measurement.calibrate import _exit_chains, _setup, _trajectories
+
+    for skip, exact in (("[]", True), ("[0]", False)):
+        cfg = run_config(*SMALL, "workload.temperature=1", "method=draft_verify", "method.verifier=chain",
+                         "method.params.skip=config", f"method.params.skip_mlp={skip}",
+                         "method.params.gamma=3", "tree=chain", "tree.gamma=3")
+        run = _setup(cfg, tiny_models, tqdm(disable=True))
+        assert run.drafter.sample
+        seqs = _trajectories(run)
+        confs, acc = _exit_chains(run, run.prompts[0], seqs[0], sampled=True)
+        assert len(confs) == len(acc) == seqs[0].numel() - run.prompts[0].numel()
+        assert [len(c) for c in confs] == [len(a) for a in acc] == [3, 3, 3, 3, 2, 1]
+        flat = [x for a in acc for x in a]
+        assert all(0 < c <= 1 for cc in confs for c in cc) and all(0 <= x <= 1 for x in flat)
+        if exact:
+            assert flat == pytest.approx([1.0] * len(flat), abs=1e-4)
+        else:
+            assert min(flat) < 0.999

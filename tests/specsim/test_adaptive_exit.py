@@ -188,7 +188,8 @@ def test_replay_walks_the_trajectory_where_easy_text_comes_in_runs():
 
 def test_replayed_rule_is_the_drafters_rule_step_by_step():
     """Adaptive: the replay's thresholds are the drafter's stop test and next_state on the trajectory, the
-    rule's state carried across trajectories and the warm-up's steps left out."""
+    rule's state carried across trajectories (no update after a trajectory's last step, as the loop gives
+    none) and the warm-up's steps left out."""
     easy = ([True] * 10 + [False] * 10) * 5
     pc, pa = [0.9 if e else 0.1 for e in easy], easy
     rule = ExitRule(threshold=0.3, target_acceptance=0.8)
@@ -203,7 +204,8 @@ def test_replayed_rule_is_the_drafters_rule_step_by_step():
             if g == 4:
                 seen.append((th, j + 1))
             t += j + 1
-            th, smoothed = next_state(rule, th, smoothed, j / k)
+            if t < len(cc):  # the generation's last step ends it before the drafter's feedback
+                th, smoothed = next_state(rule, th, smoothed, j / k)
     assert whole.thresholds == pytest.approx([x for x, _ in seen][:len(whole.thresholds)])
     assert whole.tau == pytest.approx(np.mean([n for _, n in seen][:len(whole.laws)]))
     later = replay_path(runs, rule, 4, 300, skip_tokens=100)
@@ -217,3 +219,36 @@ def test_replay_reads_the_chains_own_deeper_confidences():
     run = replay_path([(confs, acc)], ExitRule(threshold=0.5, adaptive=False), 4, 30)
     assert run.draft_length == pytest.approx(2) and run.tau == pytest.approx(3)
     assert run.forwards == pytest.approx(3)  # the third forward fell below the threshold
+
+
+def test_sampled_replay_keeps_each_steps_law_of_accepted_drafts():
+    """Sampled drafts: a_d is the rejection rule's probability of draft d, so P(j ≥ m) = a_1···a_m; a fixed
+    threshold every root drafts 3: P(j) = (1/2, 1/4, 1/8, 1/8), τ = 1 + 7/8 at every kept step whatever the
+    walk draws. a_d = 1 throughout is the greedy replay of chains accepted to their end."""
+    confs = [[0.9, 0.9, 0.9]] * 60
+    rule = ExitRule(threshold=0.5, adaptive=False)
+    run = replay_path([(confs, [[0.5, 0.5, 0.5]] * 60)], rule, 3, 200, replicas=4, seed=3)
+    assert run.tau == pytest.approx(1.875)
+    assert run.laws[0].joint[3] == pytest.approx([0.5, 0.25, 0.125, 0.125])
+    sure = replay_path([(confs, [[1.0, 1.0, 1.0]] * 60)], rule, 3, 200, replicas=4)
+    greedy = replay_path([(confs, [3] * 60)], rule, 3, 200)
+    assert sure.tau == pytest.approx(greedy.tau) == pytest.approx(4.0)
+    assert len(sure.laws) == 4 * len(greedy.laws)  # replicas of one walk where nothing is drawn
+
+
+def test_threshold_path_gives_a_generations_last_step_no_update():
+    """The loop ends a generation before its last step's feedback: the mean-field path leaves the threshold
+    where it was after the step that completes ``generation`` tokens, and moves it after every other."""
+    table, rule = _table(), ExitRule(threshold=0.3, target_acceptance=0.95)  # below target: γ_th rises
+    every = threshold_path(table, rule, 4, 300)
+    cut = threshold_path(table, rule, 4, 300, generation=20)
+    done, still = 0.0, 0
+    for i, law in enumerate(cut.laws[:-1]):
+        done += law.tau
+        if done >= 20:
+            done = 0.0
+            still += 1
+            assert cut.thresholds[i + 1] == cut.thresholds[i]
+        else:
+            assert cut.thresholds[i + 1] > cut.thresholds[i]
+    assert still >= 10 and cut.thresholds[-1] < every.thresholds[-1]
