@@ -132,6 +132,11 @@ class DraftVerifyDrafter:
         self.threshold, self._ar = next_state(self.rule, self.threshold, self._ar,
                                               (len(fb.accepted) - 1) / drafted)
 
+    def clear_records(self) -> None:
+        """Forget the counters of the decodes so far (measure calls it after the warm-up, whose steps are not
+        the run's); the exit rule's state carries on, as it does in the loop."""
+        self.draft_forwards, self.draft_steps, self.drafted = 0, 0, 0
+
     def run_stats(self) -> dict[str, float]:
         """Draft forwards and tokens per drafting step so far (a forward that fell below the threshold was
         paid for: the calibration prices a draft step per forward, not per level)."""

@@ -194,6 +194,10 @@ def test_the_exit_replay_is_the_loops_every_step(run_config, tiny_models):
     # a kept step that ended its generation got no feedback: its j is the replay's (steps are point laws)
     assert [int(law.joint.sum(0).argmax()) for law in replay.laws] == [
         j if j is not None else int(law.joint.sum(0).argmax()) for (_, _, j), law in zip(kept, replay.laws)]
+    assert drafter.run_stats()["draft_steps"] == len(log)
+    threshold = drafter.threshold
+    drafter.clear_records()  # measure's after the warm-up: the counters restart, the rule's state carries
+    assert drafter.run_stats()["draft_steps"] == 0 and drafter.threshold == threshold
 
 
 def test_sampled_exit_chains_record_each_drafts_acceptance(run_config, tiny_models):
