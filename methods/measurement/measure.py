@@ -35,6 +35,7 @@ from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.batch_cost import load_batch_fit, load_head_fit
 from methods.measurement.calibrate import ensure_profile
 from methods.measurement.dynamic_shapes import ensure_shapes, nodes_per_depth
+from methods.measurement.merged_trees import ensure_merged, with_merged
 from methods.measurement.profiles import (
     apply_profile,
     draft_terms,
@@ -135,6 +136,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     if tree is None:
         tree = run_tree(cfg)
     drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling, tree_cfg=cfg.tree)
+    built_on = tree  # the tree the drafter was built with (SpecInfer's merged trees are counted on it)
     baseline = Autoregressive()
     backbone, backbone_name = backbone_of(drafter, models, cfg.model.name)  # one target for both sides
     target = ModelEngine(backbone) if w.batch_size == 1 else None  # batches: a BatchEngine of their own
@@ -213,6 +215,10 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         steps = base_t.steps if w.batch_size == 1 else []
         profile, judged = judge_profile(profile, profile_path(pcfg), steps)
         predictions.update(judged)
+        merged = ensure_merged(cfg, pcfg, models, built_on, show_progress=show_progress)
+        if merged is not None:  # SpecInfer: its merged trees' size counted on the calibration split
+            profile = with_merged(profile, merged)
+            predictions["merged_nodes_calibration"] = merged["size"]
         if "predicted_tau" not in predictions or judged["profile_stale"]:  # the tree decoded with
             predicted = sequoia_tree or tree  # (Sequoia: as selected on the measured vector)
             predictions.update(prediction_metrics(cfg, *tree_predictions(cfg, profile, predicted, shapes)))

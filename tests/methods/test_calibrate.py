@@ -1824,3 +1824,57 @@ def test_a_chain_verifiers_calibration_times_medusas_trees_in_the_tree_verifiers
     prof = ensure_profile(pchain, tiny_models, show_progress=False)
     assert prof.extra["loop_verify_wide"] and prof.extra["draft_pass_tree_ratios"]
     assert remeasure_reason(prof, pseq) == "" and remeasure_reason(prof, pchain) == ""
+
+
+@pytest.mark.slow
+def test_specinfer_merged_trees_are_counted_on_the_runs_own_tree(run_config, tiny_models, cache, monkeypatch):
+    """SpecInfer's verify is priced at the merged trees the run's own drafter proposes on the run's own tree,
+    counted on the calibration split (methods.measurement.merged_trees) and cached beside the profile: the
+    mean size over the steps with room for the whole tree, as a loop that logs every proposal counts it;
+    merged_size reads it for that union only."""
+    import methods.measurement.merged_trees as merged_module
+    from methods.core.engine import ModelEngine
+    from methods.core.loop import DecodeOptions, decode
+    from methods.data.workloads import load_prompts
+    from methods.drafters.registry import build_drafter
+    from methods.measurement.measure import run_tree
+    from methods.measurement.profiles import merged_size, profile_config
+    from specsim.multidraft import union_tree
+
+    cfg = run_config(*SMALL_SELF, "method=specinfer", "method.params.source=copies", "tree=chain",
+                     "tree.gamma=3")
+    tree = run_tree(cfg)
+    doc = merged_module.ensure_merged(cfg, profile_config(cfg), tiny_models, tree, show_progress=False)
+    assert merged_module.merged_path(profile_config(cfg), tree).is_file()
+    # an independent count: the same drafter through the loop, every proposal logged with its room
+    w, cal = cfg.workload, cfg.calibration
+    sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
+    n = max(cal.new_tokens, w.max_new_tokens)
+    prompts = load_prompts(dataclasses.replace(w, split="calibration", num_prompts=cal.prompts,
+                                               max_new_tokens=n), tiny_models.tokenizer, cfg.seed)
+    drafter = build_drafter(cfg.method, tree, tiny_models, sampling, tree_cfg=cfg.tree)
+    seen, propose = [], drafter.propose
+
+    def logged(ctx):
+        draft = propose(ctx)
+        seen.append((draft.tree.size, ctx.max_new))
+        return draft
+
+    drafter.propose = logged
+    target = ModelEngine(tiny_models.target)
+    for p in prompts:
+        decode(target, drafter, torch.tensor(p.token_ids), DecodeOptions.for_method(cfg.method, sampling, n),
+               torch.Generator().manual_seed(cfg.seed))
+    full = [size for size, room in seen if room > drafter.tree.depth]
+    assert doc["steps"] == len(full) > 0 and doc["size"] == pytest.approx(np.mean(full))
+    assert doc["union_size"] == drafter.tree.size == 1 + 3 * 3
+    assert 1 + 3 <= doc["size"] <= drafter.tree.size  # shared prefixes verified once
+    # cached: a second call reads the file
+    monkeypatch.setattr(merged_module, "count_merged", lambda *a, **k: pytest.fail("counted again"))
+    again = merged_module.ensure_merged(cfg, profile_config(cfg), tiny_models, tree, show_progress=False)
+    assert again == doc
+    prof = merged_module.with_merged(_merging_profile([1.0, 1.2, 1.5, 1.8, 2.1]), doc)
+    assert merged_size(prof, Tree.chain(3), 3) == pytest.approx(doc["size"])  # the counted union
+    assert merged_size(prof, Tree.chain(4), 3) == pytest.approx(1.0 + 1.2 + 1.5 + 1.8 + 2.1)  # another one
+    here, _ = tree_predictions(cfg, prof, union_tree(Tree.chain(3), 3))
+    assert here["predicted_mean_verify_tokens"] == pytest.approx(doc["size"])
