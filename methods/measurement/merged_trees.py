@@ -27,7 +27,6 @@ from methods.core.sampling import SamplingParams
 from methods.data.workloads import load_prompts
 from methods.drafters.registry import build_drafter
 from methods.measurement.calibrate import SizeRecorder
-from methods.measurement.dynamic_shapes import new_tokens
 from methods.measurement.profiles import Profile, profile_lock, profile_path, refuse_unless_calibrating
 from methods.models import Models
 from specsim.config import RunConfig
@@ -52,7 +51,7 @@ def ensure_merged(cfg: RunConfig, pcfg: RunConfig, models: Models, tree: Tree, c
     if cfg.method.drafter != "specinfer":
         return None
     path = merged_path(pcfg, tree, cache)
-    n = new_tokens(cfg)
+    n = cfg.calibration.new_tokens  # the calibration's own generations: a run of any length reads the count
     with profile_lock(path):
         if path.is_file():
             try:

@@ -1849,7 +1849,7 @@ def test_specinfer_merged_trees_are_counted_on_the_runs_own_tree(run_config, tin
     # an independent count: the same drafter through the loop, every proposal logged with its room
     w, cal = cfg.workload, cfg.calibration
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
-    n = max(cal.new_tokens, w.max_new_tokens)
+    n = cal.new_tokens
     prompts = load_prompts(dataclasses.replace(w, split="calibration", num_prompts=cal.prompts,
                                                max_new_tokens=n), tiny_models.tokenizer, cfg.seed)
     drafter = build_drafter(cfg.method, tree, tiny_models, sampling, tree_cfg=cfg.tree)
