@@ -334,12 +334,14 @@ def replay_path(runs: Sequence[tuple[Sequence[Sequence[float]], Sequence]], rule
                 law = _accepted_law(acc[t], k)
                 j = int(rng.choice(k + 1, p=law)) if sampled else int(np.argmax(law))
                 forwards = k + 1 if k < g else k  # a forward below the threshold was paid for
-                if done >= skip_tokens and n - t >= gamma:
-                    kept_th.append(th)
-                    kept_law.append(_point_law(gamma, k, law, forwards))
-                    kept += 1
-                elif done >= skip_tokens:
-                    cut_law.append(_point_law(gamma, k, law, forwards))
+                if done >= skip_tokens:  # past the warm-up: a kept step, or one the trajectory's end cut
+                    step = _point_law(gamma, k, law, forwards)
+                    if n - t >= gamma:
+                        kept_th.append(th)
+                        kept_law.append(step)
+                        kept += 1
+                    else:
+                        cut_law.append(step)
                 done += min(j + 1, n - t)
                 t += j + 1
                 if rule.adaptive and t < n:  # the step that ends the generation gets no feedback in the loop
