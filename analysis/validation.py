@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--temperatures", nargs="*", type=float, default=list(vr.TEMPERATURES))
     run.add_argument("--rows", nargs="*", help="only rows whose id matches one of these shell patterns "
                      "(e.g. 'specinfer__*' 'medusa__natural__prose__T0')")
+    run.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", dest="settings",
+                     help="Hydra overrides appended to every row, e.g. larger splits for a power study: "
+                          "workload.num_prompts=128 workload.tau_se_target=0.006 calibration.prompts=192 "
+                          "(profiles calibrated on smaller splits are calibrated again)")
     run.add_argument("--minutes", type=float, help="start no new row after this many minutes")
     run.add_argument("--dry-run", action="store_true", help="list the rows and the excluded combinations")
     rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
@@ -66,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     methods = args.methods or (list(vr.SMALL_METHODS) if args.small else None)
-    extra = vr.SMALL if args.small else ()
+    extra = (*(vr.SMALL if args.small else ()), *args.settings)
+    bad = [kv for kv in args.settings if "=" not in kv]
+    if bad:
+        raise SystemExit(f"--set takes KEY=VALUE overrides, not {bad}")
     selected = vr.rows(methods, args.workloads, args.temperatures, extra)
     if args.rows:
         selected = [r for r in selected if any(fnmatch.fnmatchcase(r.row_id, pat) for pat in args.rows)]
