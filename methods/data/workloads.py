@@ -16,10 +16,10 @@ import random
 import re
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from methods.data.corpus import Document, corpus
-from specsim.config import WorkloadConfig
+from specsim.config import RunConfig, WorkloadConfig
 
 KINDS = ("code", "prose", "grounded")
 STREAM, STREAM_OF = "stream", "code"  # the stream kind serves code requests
@@ -44,6 +44,14 @@ class _Candidate:
     prefix: str  # text the prompt ends with (left-truncated to prompt_tokens)
     reference: str
     must_keep: str = ""  # grounded: this tail of the prefix must survive the truncation
+
+
+def calibration_prompts(cfg: RunConfig, tokenizer, new_tokens: int) -> list[Prompt]:
+    """The calibration split's prompts a profile is measured on: ``cfg.calibration.prompts`` prompts of the
+    run's workload, generations of ``new_tokens`` tokens (every measured input decodes the same ones)."""
+    w = replace(cfg.workload, split="calibration", num_prompts=cfg.calibration.prompts,
+                max_new_tokens=new_tokens)
+    return load_prompts(w, tokenizer, cfg.seed)
 
 
 def load_prompts(workload: WorkloadConfig, tokenizer, seed: int) -> list[Prompt]:

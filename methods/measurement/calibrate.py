@@ -40,7 +40,7 @@ from methods.core.timing import (
     verify_times,
 )
 from methods.core.verify import NODE_RULES, rank_law, verifier_params, verify
-from methods.data.workloads import load_prompts
+from methods.data.workloads import calibration_prompts
 from methods.drafters.autoregressive import Autoregressive
 from methods.drafters.registry import NEEDS_DRAFT_MODEL, backbone_of, build_drafter, drafter_class
 from methods.measurement.cost_table import (
@@ -1150,10 +1150,9 @@ def _exit_chains(run: _Run, ids: torch.Tensor, seq: torch.Tensor, sampled: bool 
 
 
 def _setup(cfg: RunConfig, models: Models, bar: tqdm) -> _Run:
-    cal, w = cfg.calibration, cfg.workload
+    w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
-    calib = replace(w, split="calibration", num_prompts=cal.prompts, max_new_tokens=cal.new_tokens)
-    prompts = load_prompts(calib, models.tokenizer, cfg.seed)
+    prompts = calibration_prompts(cfg, models.tokenizer, cfg.calibration.new_tokens)
     ids = [torch.tensor(p.token_ids, dtype=torch.long) for p in prompts]
     tree = depth_tree(cfg)
     drafter = build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
 from methods.core.timing import interleaved
-from methods.data.workloads import load_prompts
+from methods.data.workloads import calibration_prompts
 from methods.drafters.registry import backbone_of, build_drafter
 from methods.measurement.profiles import profile_lock, profile_path, refuse_unless_calibrating
 from methods.models import Models
@@ -73,11 +72,10 @@ def record_shapes(cfg: RunConfig, models: Models, show_progress: bool = True, ch
     that of the same method on a chain of ``chain_depth`` (:func:`draft_scale`; else None), and each
     prompt's accepted lengths per step (the loop's own law, specsim.replay.lengths_law)."""
     assert TreeKind(cfg.tree.kind) == TreeKind.dynamic, "only dynamic trees are recorded"
-    w, cal = cfg.workload, cfg.calibration
+    w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
     n = new_tokens(cfg)
-    prompts = load_prompts(replace(w, split="calibration", num_prompts=cal.prompts, max_new_tokens=n),
-                           models.tokenizer, cfg.seed)
+    prompts = calibration_prompts(cfg, models.tokenizer, n)
     drafter = build_drafter(cfg.method, None, models, sampling, tree_cfg=cfg.tree)
     target = ModelEngine(backbone_of(drafter, models, cfg.model.name)[0])
     opts = DecodeOptions.for_method(cfg.method, sampling, n, models.tokenizer.eos_token_id)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from methods.core.engine import ModelEngine
 from methods.core.loop import DecodeOptions, decode
 from methods.core.sampling import SamplingParams
-from methods.data.workloads import load_prompts
+from methods.data.workloads import calibration_prompts
 from methods.drafters.registry import build_drafter
 from methods.measurement.calibrate import SizeRecorder
 from methods.measurement.profiles import Profile, profile_lock, profile_path, refuse_unless_calibrating
@@ -75,10 +75,9 @@ def count_merged(cfg: RunConfig, models: Models, tree: Tree, n_tokens: int, show
     """Decode the calibration prompts with ``cfg``'s drafter built on ``tree``: the size of the union it
     holds, and the mean nodes of the merged trees it proposed (root included) and per depth, over the steps
     with room for the whole tree."""
-    w, cal = cfg.workload, cfg.calibration
+    w = cfg.workload
     sampling = SamplingParams(w.temperature, w.top_k, w.top_p)
-    prompts = load_prompts(replace(w, split="calibration", num_prompts=cal.prompts, max_new_tokens=n_tokens),
-                           models.tokenizer, cfg.seed)
+    prompts = calibration_prompts(cfg, models.tokenizer, n_tokens)
     drafter = build_drafter(cfg.method, tree, models, sampling, tree_cfg=cfg.tree)
     recorder = SizeRecorder(drafter, drafter.tree.depth)
     target = ModelEngine(models.target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from methods.data import workloads
 from methods.measurement import dynamic_shapes
 from methods.measurement.dynamic_shapes import ensure_shapes, from_json, nodes_per_depth, to_json
 from methods.measurement.profiles import profile_config
@@ -25,13 +26,13 @@ def test_shapes_are_recorded_on_the_calibration_split_and_cached(run_config, cac
     cfg = run_config("task=measure", *SMALL)
     models = load_models(cfg.model, cfg.device, cfg.model.dtype)
     splits = []
-    real = dynamic_shapes.load_prompts
+    real = workloads.load_prompts  # calibration_prompts draws through it
 
     def spy(w, tokenizer, seed):
         splits.append((w.split, w.num_prompts, w.max_new_tokens))
         return real(w, tokenizer, seed)
 
-    monkeypatch.setattr(dynamic_shapes, "load_prompts", spy)
+    monkeypatch.setattr(workloads, "load_prompts", spy)
     shapes, path = ensure_shapes(cfg, profile_config(cfg), models, show_progress=False)
     # the calibration prompts, as long as the workload's generations
     assert splits == [("calibration", 2, 10)]
