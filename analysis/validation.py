@@ -70,10 +70,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     methods = args.methods or (list(vr.SMALL_METHODS) if args.small else None)
-    extra = (*(vr.SMALL if args.small else ()), *args.settings)
     bad = [kv for kv in args.settings if "=" not in kv]
     if bad:
         raise SystemExit(f"--set takes KEY=VALUE overrides, not {bad}")
+    extra = (*(vr.SMALL if args.small else ()), *args.settings)
     selected = vr.rows(methods, args.workloads, args.temperatures, extra)
     if args.rows:
         selected = [r for r in selected if any(fnmatch.fnmatchcase(r.row_id, pat) for pat in args.rows)]

@@ -114,7 +114,6 @@ def test_row_ids_round_trip():
     assert vr.parse_row_id("not_a_row") is None
 
 
-
 def test_set_appends_overrides_to_every_row_and_refuses_a_bare_word(capsys):
     """``run --set KEY=VALUE`` (a power study's larger splits) reaches every row's command line, after the
     row's own overrides; a word without '=' is refused before any row runs."""
@@ -128,6 +127,7 @@ def test_set_appends_overrides_to_every_row_and_refuses_a_bare_word(capsys):
         assert ln.endswith("calibration.prompts=192 workload.num_prompts=128"), ln
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         validation.main(["run", "--full", "--set", "calibration.prompts", "--dry-run"])
+
 
 # ---- the driver -----------------------------------------------------------------------------------------
 def test_driver_skips_done_rows_and_records_failures(tmp_path):
