@@ -203,8 +203,14 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     out["e2e_speedup"] = _num(ok, "speedup")
     out["tau_err"] = out["tau_pred"] / out["tau_meas"] - 1
     out["speedup_err"] = out["speedup_pred"] / out["speedup_meas"] - 1
-    out["tau_se_rel"] = parts["tau_se"] / out["tau_meas"]
-    out["tau_pred_se_rel"] = prediction_standard_error(ok, out["tau_se_rel"])
+    sampling = parts["tau_se"] / out["tau_meas"]  # the test split's steps
+    # a drafter that learns between requests: one trajectory's τ varies with the order it served its
+    # requests in (specsim.learning.order_spread) — the run is one trajectory, the prediction the mean of the
+    # calibration's orders
+    spread = _num(ok, "predicted_tau_order_sd_rel").fillna(0.0)
+    out["tau_se_rel"] = np.hypot(sampling, spread)
+    out["tau_pred_se_rel"] = np.hypot(prediction_standard_error(ok, sampling),
+                                      spread / np.sqrt(_num(ok, "predicted_tau_orders").fillna(1.0)))
     out["tau_combined_se_rel"] = np.hypot(out["tau_se_rel"], out["tau_pred_se_rel"].fillna(0.0))
     out["tau_within_2se"] = out["tau_err"].abs() <= 2 * out["tau_combined_se_rel"]
     out = pd.concat([out, parts.drop(columns=["tau_se", "tau_meas"]), ratio_logs(parts),

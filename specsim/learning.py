@@ -11,6 +11,13 @@ requests (methods.measurement.calibrate: ``loop_accept_hist_by_prompt`` and ``lo
 a run's law is the mixture over its own requests: the j-th measured request (after ``first`` earlier ones,
 the warm-up's) has had ⌊(first + j) / every⌋ updates and contributes the mean histogram of the calibration
 prompts decoded after as many updates (the most the calibration reached, where the run goes further).
+
+What a drafter learns depends on the order it served its requests in: one pass of the calibration prompts is
+one trajectory, and on the zoo (code, T = 0, 128 requests) three calibrations of one split predicted τ 1.495,
+1.554 and 1.569 while three test runs read 1.708, 1.640 and 1.643. The calibration therefore decodes its
+prompts in several orders, each with a fresh drafter (``loop_order_by_prompt``): the mixture pools them (the
+curve expected over orders) and :func:`order_spread` is the spread of one trajectory's τ, a term of the
+error of the prediction (the mean of the orders') and of the measurement (one trajectory).
 """
 
 from __future__ import annotations
@@ -48,3 +55,19 @@ def served_law(hists: Sequence[Sequence[int]], updates: Sequence[int], every: in
         total += table[counts == have].mean(axis=0)
     assert total.sum() > 0, "no step in the calibration's histograms"
     return np.concatenate([[0.0], total / total.sum()])
+
+
+def order_spread(hists: Sequence[Sequence[int]], updates: Sequence[int], orders: Sequence[int], every: int,
+                 first: int, n_requests: int) -> float | None:
+    """Relative standard deviation (ddof 1) over the calibration's orders of the served τ each order alone
+    predicts (:func:`served_law` on its prompts); ``orders[i]``: the order prompt i was decoded in. None
+    with fewer than two orders."""
+    assert len(orders) == len(hists) == len(updates), "one order per calibration prompt"
+    taus = []
+    for r in sorted(set(orders)):
+        mine = [i for i, o in enumerate(orders) if o == r]
+        law = served_law([hists[i] for i in mine], [updates[i] for i in mine], every, first, n_requests)
+        taus.append(float(np.dot(np.arange(law.size), law)))
+    if len(taus) < 2:
+        return None
+    return float(np.std(taus, ddof=1) / np.mean(taus))

@@ -13,6 +13,7 @@ for tree=sequoia and the simulator's hardware=cpu validation unless its timings 
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -589,22 +590,44 @@ def _loop_ranks(stats: AcceptStats, depths: int) -> list[list[int | None]]:
 
 
 def _depth_run(run: _Run, n_prompts: int, new_tokens: int
-               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder, list[int]]:
+               ) -> tuple[AcceptStats, list[list[int]], SizeRecorder, list[int], list[int]]:
     """The drafter's chain/tree through the real loop on ``n_prompts`` prompts, ``new_tokens`` each: its
     acceptance stats (α_d, by rank), each prompt's histogram of accepted drafts per step (the spread of
     acceptance over prompts: a batch's slowest row, specsim.batch.prompt_laws), how many of its drafts
     had each size and their nodes per depth (SizeRecorder: the law of the verify forward, where drafts can
     fall short of the tree or, SpecInfer's, merge), and per prompt the updates a drafter that learns between
-    requests (``updates``: Online SD) had had when it decoded it (specsim.learning; all 0 for the others)."""
-    stats, per_prompt, updates = AcceptStats(), [], []
-    drafter = SizeRecorder(run.drafter, run.tree.depth)
-    for ids in run.prompts[:n_prompts]:
-        one = decode(run.target, drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
-        stats.merge(one)
-        per_prompt.append(list(one.hist))
-        updates.append(len(getattr(run.drafter, "updates", ())))  # its reset distils before the prompt
-        run.bar.update()
-    return stats, per_prompt, drafter, updates
+    requests (``updates``: Online SD) had had when it decoded it (specsim.learning; all 0 for the others).
+    A drafter that learns decodes the prompts again in LEARNING_ORDERS - 1 seeded orders, each with a fresh
+    drafter (its trajectories: ``orders``, the order each histogram came from; all 0 for the others)."""
+    stats, per_prompt, updates, orders = AcceptStats(), [], [], []
+    recorder = drafter = SizeRecorder(run.drafter, run.tree.depth)  # the first order's drafts
+    first, n_orders = run.prompts[:n_prompts], learning_orders(run)
+    prompts = first
+    if run.bar.total is not None:  # measure_profile counted one pass
+        run.bar.total += (n_orders - 1) * len(prompts)
+    for order in range(n_orders):
+        if order:  # the run's drafter stays the first order's (timed below): later ones are built afresh
+            drafter = build_drafter(run.cfg.method, run.tree if run.tree.size > 1 else None, run.models,
+                                    run.sampling)
+            shuffle = random.Random(f"specsim-learning-order|{order}|{run.cfg.seed}")
+            prompts = shuffle.sample(first, len(first))
+        for ids in prompts:
+            one = decode(run.target, drafter, ids, _spec_opts(run, new_tokens), run.generator).stats
+            stats.merge(one)
+            per_prompt.append(list(one.hist))
+            updates.append(len(getattr(drafter, "updates", ())))  # its reset distils before the prompt
+            orders.append(order)
+            run.bar.update()
+    return stats, per_prompt, recorder, updates, orders
+
+
+LEARNING_ORDERS = 3  # orders of the calibration prompts a drafter that learns between requests decodes
+
+
+def learning_orders(run: _Run) -> int:
+    """How many orders the depth run decodes its prompts in: LEARNING_ORDERS for a drafter that learns
+    between requests (specsim.learning), else 1."""
+    return LEARNING_ORDERS if getattr(run.drafter, "learns_every", 0) else 1
 
 
 FORWARD_REPEAT = 3  # timed forwards of each size per round (their median): one forward is a noisy figure
@@ -1183,6 +1206,7 @@ class _Measured:
     star_sizes: list[int] = field(default_factory=list)  # depth-1 stars per trajectory (_star_ranks)
     loop_new_tokens: int = 0  # new tokens per prompt of the depth run (``sizes``' generations)
     timing_s: float = 0.0  # seconds of the timed rounds, every attempt's (warm-up rounds included)
+    orders: list[int] = field(default_factory=list)  # per loop prompt: the order it came in (_depth_run)
 
 
 def _timed_table(run: _Run, context: torch.Tensor, sizes: list[int], wide: Any = None
@@ -1213,7 +1237,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     replay = multi_draft_replay(run, seqs)
     n_prompts, new_tokens = ((cal.prompts, max(cal.new_tokens, cfg.workload.max_new_tokens)) if loop
                              else (cal.depth_prompts, cal.new_tokens))
-    stats, prompt_hists, recorder, updates = _depth_run(run, n_prompts, new_tokens)
+    stats, prompt_hists, recorder, updates, orders = _depth_run(run, n_prompts, new_tokens)
     drafted = dict(sorted(recorder.sizes.items()))
     if loop:  # one vector per depth of the drafter's chain: a draft that stops early is a rejection there
         ranks = _loop_ranks(stats, max(1, run.tree.depth))
@@ -1232,7 +1256,7 @@ def _measure(cfg: RunConfig, models: Models, bar: tqdm) -> tuple[_Run, _Measured
     bar.update()
     return run, _Measured(ranks, stats, table, attempts, ctx, setup_s, forward, exit_table, prompt_hists,
                           replay, drafted, recorder.level_means, wide.sizes if wide is not None else {},
-                          runs, updates, star_sizes, new_tokens, timing)
+                          runs, updates, star_sizes, new_tokens, timing, orders)
 
 
 def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[str, Any]:
@@ -1249,8 +1273,8 @@ def _extra(cfg: RunConfig, run: _Run, m: _Measured, loads: list[float]) -> dict[
         "loop_tau": m.stats.tau, "loop_accept_hist": m.stats.hist,
         "loop_accept_hist_by_prompt": m.prompt_hists,
         # a drafter that learns between requests (Online SD): how often, and its updates at each prompt
-        **({"learns_every": int(run.drafter.learns_every), "loop_updates_by_prompt": m.updates}
-           if getattr(run.drafter, "learns_every", 0) else {}),
+        **({"learns_every": int(run.drafter.learns_every), "loop_updates_by_prompt": m.updates,
+            "loop_order_by_prompt": m.orders} if getattr(run.drafter, "learns_every", 0) else {}),
         "loop_acceptance_by_rank": m.stats.by_rank(),
         "loop_tree_size": run.tree.size, "loop_tree_depth": run.tree.depth, "loop_steps": m.stats.steps,
         "loop_verify_forward_tokens": m.forward_tokens,
@@ -1522,6 +1546,8 @@ def remeasure_reason(profile: Profile | None, cfg: RunConfig) -> str:
         return "no accepted rank per root to replay the greedy loop on (an older calibration)"
     if flips_stars(cfg) and profile.extra.get("star_estimator") != STAR_ESTIMATOR:
         return "star acceptance read from the verifier's coin flips (an older calibration)"
+    if profile.extra.get("learns_every") and "loop_order_by_prompt" not in profile.extra:
+        return "a learning drafter's prompts decoded in one order only (an older calibration)"
     return missing_self_draft(profile, cfg)
 
 

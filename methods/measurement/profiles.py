@@ -31,7 +31,7 @@ from specsim.config import AcceptanceKind, RunConfig, TreeConfig, TreeKind, Veri
 from specsim.cost import CostModel, DraftCost, MeasuredCost
 from specsim.expected import accepted_length_law, tokens_per_forward
 from specsim.io import atomic_write_json, read_json
-from specsim.learning import served_law
+from specsim.learning import order_spread, served_law
 from specsim.multidraft import Replay, accepted_law, member_and_union
 from specsim.predict import Prediction, simulate
 from specsim.replay import RankRuns, flips_integrated, hit_vectors, loop_law
@@ -888,6 +888,19 @@ def served_law_for(cfg: RunConfig, profile: Profile, tree: Tree) -> np.ndarray |
     return np.pad(law, (0, max(0, tree.depth + 2 - law.size)))[: tree.depth + 2]
 
 
+def served_spread_for(cfg: RunConfig, profile: Profile) -> dict[str, Any]:
+    """A learning drafter's calibration orders and the relative spread of one order's served τ
+    (specsim.learning.order_spread; metrics ``predicted_tau_orders``, ``predicted_tau_order_sd_rel``:
+    analysis.validation_terms adds it to both sides' errors); {} without two orders recorded."""
+    extra = profile.extra
+    orders = extra.get("loop_order_by_prompt")
+    if not orders or len(orders) != len(extra.get("loop_accept_hist_by_prompt") or ()):
+        return {}
+    sd = order_spread(extra["loop_accept_hist_by_prompt"], extra["loop_updates_by_prompt"], orders,
+                      int(extra["learns_every"]), int(cfg.warmup), int(cfg.workload.num_prompts))
+    return {} if sd is None else {"predicted_tau_orders": len(set(orders)), "predicted_tau_order_sd_rel": sd}
+
+
 def _law_summary(base: dict[str, Any], law: np.ndarray, n_tokens: int) -> dict[str, Any]:
     """``base`` (priced on the merged budget) with τ and its finite-run cut taken from ``law``."""
     tau, step, ar = float(np.dot(np.arange(law.size), law)), base["t_step_s"], base["t_ar_s"]
@@ -1007,7 +1020,8 @@ def tree_predictions(cfg: RunConfig, profile: Profile, tree: Tree, shapes: dict[
                             for d in (here, preset))
     served = served_law_for(cfg, profile, tree) if one_law else None
     if served is not None:  # a drafter that learns between requests: the run's requests' mixture
-        here, preset = _law_summary(here, served, n), _law_summary(preset, served, n)
+        spread = served_spread_for(cfg, profile)  # ... and how much one trajectory's τ varies
+        here, preset = ({**_law_summary(d, served, n), **spread} for d in (here, preset))
     sizes = verify_size_law(profile, tree) if one_law else None
     if sizes is not None:  # drafts shorter than the tree: each step's verify at its draft's size
         def loop(k: int) -> float:  # the loop's verification at k nodes (older profiles: the table's)

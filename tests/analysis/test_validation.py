@@ -447,6 +447,22 @@ def test_the_prediction_has_its_own_standard_error_and_misses_are_judged_on_both
     assert s["tau_pred_se_median"] == pytest.approx(pred)
 
 
+def test_a_learning_drafters_trajectory_spread_enters_both_standard_errors():
+    """A drafter that learns between requests: one trajectory's τ spreads over the orders its requests come
+    in (predicted_tau_order_sd_rel, from the calibration's orders). The run is one trajectory (its s.e. gains
+    the whole spread), the prediction the mean of 3 orders (it gains the spread over sqrt(3))."""
+    sizes = {"profile_path": "p.json", "num_prompts": 4, "workload.max_new_tokens": 48,
+             "calibration.prompts": 24, "calibration.new_tokens": 32}
+    plain = errors(pd.DataFrame([_run(predicted_tau=3 * 1.18, **sizes)])).loc[0]
+    learner = errors(pd.DataFrame([_run(predicted_tau=3 * 1.18, predicted_tau_order_sd_rel=0.05,
+                                        predicted_tau_orders=3, **sizes)])).loc[0]
+    assert learner["tau_se_rel"] == pytest.approx(math.hypot(plain["tau_se_rel"], 0.05))
+    pred = math.hypot(plain["tau_pred_se_rel"], 0.05 / math.sqrt(3))
+    assert learner["tau_pred_se_rel"] == pytest.approx(pred)
+    # +18%: beyond 2 combined s.e. of the steps alone (7.9%), within them with the trajectories' (9.7%)
+    assert not plain["tau_within_2se"] and learner["tau_within_2se"]
+
+
 def test_a_prediction_from_exact_star_acceptance_has_a_smaller_standard_error():
     """τ priced from star vectors read without coin flips (T > 0): the prediction's s.e. is the flipped
     estimator's times the square root of the variance share the exact one keeps (0.25 → half)."""

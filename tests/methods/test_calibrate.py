@@ -1435,7 +1435,7 @@ def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it
     with one drafter (as a run serves its requests), records the updates it had at each, and a run's τ is
     the mixture of those prompts' histograms by its own requests' update counts (specsim.learning) — not
     one law of the drafter as loaded (quiet zoo7: Online grounded T = 0 read τ −12.9%)."""
-    from methods.measurement.calibrate import LOOP_DRAFTERS
+    from methods.measurement.calibrate import LEARNING_ORDERS, LOOP_DRAFTERS
     from methods.measurement.profiles import key_document
     from specsim.learning import served_law
 
@@ -1444,12 +1444,18 @@ def test_a_drafter_that_learns_is_calibrated_through_the_loop_as_a_run_serves_it
     assert "online" in LOOP_DRAFTERS and key_document(cfg)["acceptance_from"] == "loop"
     prof = ensure_profile(cfg, tiny_models, show_progress=False)
     extra = prof.extra
-    assert extra["learns_every"] == 1 and extra["loop_updates_by_prompt"] == [0, 1, 2]
-    assert len(extra["loop_accept_hist_by_prompt"]) == 3
+    # the prompts in LEARNING_ORDERS orders, each with a fresh drafter: its updates restart with each order
+    assert extra["learns_every"] == 1 and extra["loop_updates_by_prompt"] == [0, 1, 2] * LEARNING_ORDERS
+    assert extra["loop_order_by_prompt"] == [o for o in range(LEARNING_ORDERS) for _ in range(3)]
+    assert len(extra["loop_accept_hist_by_prompt"]) == 3 * LEARNING_ORDERS
     here, preset = tree_predictions(cfg, prof, Tree.chain(3))
-    law = served_law(extra["loop_accept_hist_by_prompt"], [0, 1, 2], 1, cfg.warmup, cfg.workload.num_prompts)
+    law = served_law(extra["loop_accept_hist_by_prompt"], extra["loop_updates_by_prompt"], 1, cfg.warmup,
+                     cfg.workload.num_prompts)
     tau = float(np.dot(np.arange(law.size), law))
     assert here["predicted_tau"] == pytest.approx(tau) == pytest.approx(preset["predicted_tau"])
+    assert here["predicted_tau_orders"] == LEARNING_ORDERS and here["predicted_tau_order_sd_rel"] >= 0
+    one_order = {k: v for k, v in extra.items() if k != "loop_order_by_prompt"}
+    assert "one order" in remeasure_reason(dataclasses.replace(prof, extra=one_order), cfg)  # older: again
 
 
 # ---- exact star acceptance at T > 0 (issue 17): the flips integrated out ---------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsim.learning import served_law, updates_at
+from specsim.learning import order_spread, served_law, updates_at
 
 
 def _tau(law: np.ndarray) -> float:
@@ -34,3 +34,17 @@ def test_the_runs_requests_take_the_calibration_prompts_of_their_update_count():
     # a drafter that never learns: every prompt alike, the pooled law
     flat = served_law(hists, [0, 0, 0, 0], every=0, first=1, n_requests=3)
     assert _tau(flat) == pytest.approx(5 / 3)
+
+
+def test_the_spread_over_orders_is_that_of_each_orders_served_tau():
+    """Two orders of the same two prompts, updated every request: order 0 learnt on the slow prompt first
+    (τ 1 then 3 at one update), order 1 on the fast one (τ 3 then 2). A run of one request after one
+    warm-up takes each order's second prompt: τ 3 and 2, spread sd/mean = 0.7071/2.5. One order: None."""
+    hists = [[10, 0, 0], [0, 0, 5], [0, 0, 5], [0, 5, 0]]
+    updates, orders = [0, 1, 0, 1], [0, 0, 1, 1]
+    assert _tau(served_law(hists[:2], updates[:2], 1, 1, 1)) == pytest.approx(3.0)
+    assert _tau(served_law(hists[2:], updates[2:], 1, 1, 1)) == pytest.approx(2.0)
+    assert order_spread(hists, updates, orders, 1, 1, 1) == pytest.approx(np.std([3, 2], ddof=1) / 2.5)
+    assert order_spread(hists, updates, [0, 0, 0, 0], 1, 1, 1) is None
+    # the pooled mixture is the mean curve: its request takes both orders' one-update prompts
+    assert _tau(served_law(hists, updates, 1, 1, 1)) == pytest.approx(1 + (2 * 5 + 1 * 5) / 10)
