@@ -7,6 +7,7 @@ t_verify = t(n) + the loop's verification overhead (methods.measurement.profiles
     python -m analysis.validation run --full          # the zoo sweep, resumable, into multirun/validation/zoo
     python -m analysis.validation report DIR          # the table and summary as Markdown
     python -m analysis.validation insample DIR        # its rows again on the calibration split (in-sample)
+    python -m analysis.validation compare BEFORE DIR [DIR ...]   # rows side by side (a power study)
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "insample":
         return _insample(args)
+    if args.command == "compare":
+        from analysis.validation_report import compare, layered_errors
+
+        print(compare(layered_errors([args.before]), layered_errors(args.after)))
+        return 0
     from analysis.validation_report import report
 
     print(report(Path(args.dir), insample=args.insample))
@@ -56,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
     rep.add_argument("dir")
     rep.add_argument("--insample", type=Path, help="its in-sample rows (default: DIR_insample, if any)")
+    cmp = sub.add_parser("compare", help="the rows of one or more sweeps (a later one's row replacing an "
+                         "earlier one's) beside the same rows of BEFORE")
+    cmp.add_argument("before", type=Path)
+    cmp.add_argument("after", type=Path, nargs="+")
     ins = sub.add_parser("insample", help="re-run a finished sweep's rows on the calibration split, with the "
                          "profiles they were predicted with (resumable; never calibrates)")
     ins.add_argument("dir", type=Path, help="the finished sweep")

@@ -120,4 +120,50 @@ def report(path: str | Path, worst: int = 10, insample: str | Path | None = None
     return "\n".join(parts)
 
 
-__all__ = ["TERMS", "failures", "load_validation", "pct", "report", "row_table", "summary_lines"]
+def layered_errors(paths: list[str | Path]) -> pd.DataFrame:
+    """The validation table of several sweeps' rows, a later sweep's row replacing an earlier one's of the
+    same ``row_id`` (a power study's rows with some of them run again)."""
+    tables = [errors(load_validation(p)) for p in paths]
+    merged = pd.concat(tables, ignore_index=True)
+    return merged.drop_duplicates("row_id", keep="last").reset_index(drop=True)
+
+
+def compare(before: pd.DataFrame, after: pd.DataFrame) -> str:
+    """Markdown: each row of ``after`` (validation tables, :func:`errors`) beside the same row of
+    ``before`` — measured τ, τ error, combined s.e., the two goals, speedup error — and a summary line over
+    the rows both have (autoregressive rows left out: nothing to predict)."""
+    a = before.set_index("row_id")
+    b = after[(after["method"] != "autoregressive") & after["row_id"].isin(a.index)].set_index("row_id")
+    b = b.sort_index()
+    a = a.loc[b.index]
+    if b.empty:
+        return "no row of the second table is in the first"
+
+    def arrow(x: pd.Series, y: pd.Series, fmt: Callable[[float], str]) -> list[str]:
+        return [f"{fmt(u)} → {fmt(v)}" for u, v in zip(x, y)]
+
+    def yes(ok: pd.Series) -> pd.Series:
+        return ok.map(lambda v: "yes" if v else "no")
+
+    table = pd.DataFrame({
+        "row": b.index, "τ meas": arrow(a["tau_meas"], b["tau_meas"], "{:.2f}".format),
+        "τ err": arrow(a["tau_err"], b["tau_err"], pct),
+        "combined s.e.": arrow(a["tau_combined_se_rel"], b["tau_combined_se_rel"], finite(".1%")),
+        "within 3%": arrow(yes(a["tau_ok"]), yes(b["tau_ok"]), str),
+        "≤2σ": arrow(yes(a["tau_within_2se"]), yes(b["tau_within_2se"]), str),
+        "S err": arrow(a["speedup_err"], b["speedup_err"], pct)})
+
+    def both(stat: Callable[[pd.DataFrame], float], fmt: str = "{:.1%}") -> str:
+        return f"{fmt.format(stat(a))} → {fmt.format(stat(b))}"
+
+    line = (f"{len(b)} rows: |τ err| median {both(lambda t: t['tau_err'].abs().median())}, max "
+            f"{both(lambda t: t['tau_err'].abs().max())}; within 3%: "
+            f"{both(lambda t: t['tau_ok'].sum(), '{}')}; "
+            f"combined s.e. median {both(lambda t: t['tau_combined_se_rel'].median())}; |S err| median "
+            f"{both(lambda t: t['speedup_err'].abs().median())}, within 10%: "
+            f"{both(lambda t: t['speedup_ok'].sum(), '{}')}")
+    return "\n".join([to_markdown(table), "", line])
+
+
+__all__ = ["TERMS", "compare", "failures", "layered_errors", "load_validation", "pct", "report", "row_table",
+           "summary_lines"]

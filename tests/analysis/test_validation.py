@@ -393,6 +393,23 @@ def test_report_of_the_committed_small_sweep():
     assert "## Signed τ error by prompt draw" in text and "| code | 1 |" in text
 
 
+def test_compare_on_the_command_line_layers_its_sweeps(capsys):
+    """``compare BEFORE DIR DIR``: a later sweep's row replaces an earlier one's of the same id, so the
+    committed small sweep twice is the sweep once, and beside itself every row reads x → x."""
+    from analysis import validation
+    from analysis.validation_report import layered_errors, load_validation
+
+    one, twice = errors(load_validation(MICRO)), layered_errors([MICRO, MICRO])
+    assert len(twice) == len(one) and set(twice["row_id"]) == set(one["row_id"])
+    assert validation.main(["compare", str(MICRO), str(MICRO), str(MICRO)]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "__" in ln]
+    assert len(rows) == (one["method"] != "autoregressive").sum()
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")][1:]
+        assert all(c.split(" → ")[0] == c.split(" → ")[1] for c in cells), ln
+
+
 @pytest.mark.slow
 def test_the_driver_runs_real_rows_on_micro(tmp_path):
     from analysis.validation_report import load_validation
@@ -472,3 +489,28 @@ def test_a_prediction_from_exact_star_acceptance_has_a_smaller_standard_error():
     exact = errors(pd.DataFrame([_run(predicted_tau=3.1, predicted_tau_star_variance_ratio=0.25,
                                       **sizes)])).loc[0, "tau_pred_se_rel"]
     assert exact == pytest.approx(flipped / 2) and flipped > 0
+
+
+def test_compare_sets_each_row_beside_the_same_row_of_the_earlier_sweep():
+    """A power study's table: the rows both sweeps have, 1× → 4×, with the goals and a summary line;
+    autoregressive rows and rows only the later sweep has are left out."""
+    from analysis.validation_report import compare
+
+    def table(*runs: dict) -> pd.DataFrame:
+        return errors(pd.DataFrame(list(runs)))
+
+    before = table(_run(row_id="vanilla__natural__code__T0", predicted_tau=3.15),
+                   _run(row_id="medusa__natural__code__T0", method="medusa", predicted_tau=3.0),
+                   _run(row_id="autoregressive__natural__code__T0", method="autoregressive"))
+    after = table(_run(row_id="vanilla__natural__code__T0", predicted_tau=3.06),
+                  _run(row_id="medusa__natural__code__T0", method="medusa", predicted_tau=3.0),
+                  _run(row_id="autoregressive__natural__code__T0", method="autoregressive"),
+                  _run(row_id="staged__natural__code__T0", method="staged"))
+    out = compare(before, after)
+    lines = out.splitlines()
+    assert [ln.split(" | ")[0].lstrip("| ") for ln in lines[2:4]] == ["medusa__natural__code__T0",
+                                                                      "vanilla__natural__code__T0"]
+    assert "| +5.0% → +2.0% |" in lines[3] and "| no → yes |" in lines[3]  # τ 3.15 → 3.06 of a 3.00
+    assert lines[-1].startswith("2 rows: |τ err| median 2.5% → 1.0%, max 5.0% → 2.0%; within 3%: 1 → 2")
+    assert "staged" not in out and "autoregressive" not in out
+    assert compare(before, table(_run(row_id="other__natural__code__T0"))).startswith("no row")
