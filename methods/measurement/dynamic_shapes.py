@@ -45,7 +45,10 @@ from specsim.trees import RecordedTrees, kept_acceptance
 # 2: with the kept nodes' outcomes (``kept``: tried and accepted per depth × rank); 3: with ``draft_scale``;
 # 4: with the loop's accepted lengths per prompt and step (``loop_lengths``, its law of τ)
 SHAPES_FORMAT = 4
-SCALE_ROUNDS = 5  # interleaved rounds (one decode of each drafter each) timing draft_scale; their median
+# interleaved rounds (one decode of each drafter each) timing draft_scale; their median. 5 rounds scattered:
+# EAGLE-2 on code (zoo, quiet, 2026-11-28) read 1.103 and 0.956 minutes apart, 25 rounds 1.122, the ratio of
+# the mean draft per step over 24 prompts 1.102
+SCALE_ROUNDS = 15
 
 
 def shapes_path(pcfg: RunConfig, tree_cfg, cache: Path | None = None, chain_depth: int = 0) -> Path:
