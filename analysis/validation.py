@@ -5,7 +5,7 @@ A row is one task=measure run (analysis.validation_rows enumerates and runs them
 τ = tokens per target forward (bonus included); S = τ·t(1) / t_step with t_step = t_draft + t_verify,
 t_verify = t(n) + the loop's verification overhead (methods.measurement.profiles.to_measured_cost).
     python -m analysis.validation run --full          # the zoo sweep, resumable, into multirun/validation/zoo
-    python -m analysis.validation report DIR          # the table and summary as Markdown
+    python -m analysis.validation report DIR [DIR ...]   # the table and summary as Markdown (layered)
     python -m analysis.validation insample DIR        # its rows again on the calibration split (in-sample)
     python -m analysis.validation compare BEFORE DIR [DIR ...]   # rows side by side (a power study)
 """
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from analysis.validation_report import report
 
-    print(report(Path(args.dir), insample=args.insample))
+    print(report(args.dirs, insample=args.insample))
     return 0
 
 
@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--minutes", type=float, help="start no new row after this many minutes")
     run.add_argument("--dry-run", action="store_true", help="list the rows and the excluded combinations")
     rep = sub.add_parser("report", help="print the validation table and summary of a sweep")
-    rep.add_argument("dir")
+    rep.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
+                     help="the sweep; several: layered, a later sweep's row replacing an earlier one's")
     rep.add_argument("--insample", type=Path, help="its in-sample rows (default: DIR_insample, if any)")
     cmp = sub.add_parser("compare", help="the rows of one or more sweeps (a later one's row replacing an "
                          "earlier one's) beside the same rows of BEFORE")

@@ -3,7 +3,7 @@ per-term breakdown and the worst rows as Markdown (docs/validation.md is made fr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,19 @@ def load_validation(path: str | Path) -> pd.DataFrame:
     temps = pd.to_numeric(df.get("workload.temperature", pd.Series(np.nan, index=df.index)), errors="coerce")
     df["temperature"] = [r.get("temperature", t) for r, t in zip(rows, temps)]
     return df
+
+
+def load_layered(paths: Sequence[str | Path]) -> pd.DataFrame:
+    """:func:`load_validation` of several sweeps as one table, each row tagged with its sweep (``sweep``:
+    the folder's name): a later sweep's finished row replaces an earlier one's of the same ``row_id`` (a
+    power study's rows over the full sweep's), while a later failed or unfinished row replaces nothing."""
+    tables = [load_validation(p).assign(sweep=Path(p).name) for p in paths]
+    merged = pd.concat(tables, ignore_index=True)
+    finished = merged["status"] == "ok" if "status" in merged.columns else pd.Series(True, index=merged.index)
+    done = merged[finished].drop_duplicates("row_id", keep="last")
+    pending = merged[~finished & ~merged["row_id"].isin(done["row_id"])]
+    pending = pending.drop_duplicates("row_id", keep="last")
+    return pd.concat([done, pending]).sort_index().reset_index(drop=True)
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:
@@ -59,6 +72,7 @@ def row_table(table: pd.DataFrame, sort: bool = True) -> pd.DataFrame:
         "prompts": t["prompts"].map(finite(".0f")),
         "S pred": t["speedup_pred"].map("{:.2f}".format), "S meas": t["speedup_meas"].map("{:.2f}".format),
         "S err": t["speedup_err"].map(pct), "diagnosis": t["diagnosis"],
+        **({"sweep": t["sweep"]} if "sweep" in t.columns and t["sweep"].nunique() > 1 else {}),
     })
 
 
@@ -94,26 +108,35 @@ def _draws(table: pd.DataFrame) -> pd.DataFrame:
     return shown.rename(columns={"temperature": "T"})
 
 
-def report(path: str | Path, worst: int = 10, insample: str | Path | None = None) -> str:
+def report(path: str | Path | Sequence[str | Path], worst: int = 10, insample: str | Path | None = None
+           ) -> str:
     """The sweep at ``path`` as Markdown; with its in-sample rows (``insample``, default ``<path>_insample``
-    where it exists: analysis.validation_insample) beside the test split's."""
+    where it exists: analysis.validation_insample) beside the test split's. Several sweeps (a sequence) are
+    layered (:func:`load_layered`: a later sweep's row replaces an earlier one's; the in-sample default is
+    the first sweep's) and the rows say which sweep each came from."""
     from analysis.validation_insample import default_out, insample_section
 
-    df = load_validation(path)
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    df = load_validation(paths[0]) if len(paths) == 1 else load_layered(paths)
     table = errors(df)
     if table.empty:
-        return f"no finished validation rows under {path}"
+        return f"no finished validation rows under {', '.join(map(str, paths))}"
     worst_rows = table.reindex(table["speedup_err"].abs().sort_values(ascending=False).index[:worst])
-    parts = ["## Summary", *summary_lines(summary(table)), "",
+    lines = summary_lines(summary(table))
+    if len(paths) > 1:
+        counts = table["sweep"].value_counts()
+        lines.append("- rows by sweep (a later sweep's row replaces an earlier one's): " + ", ".join(
+            f"{Path(p).name} {int(counts.get(Path(p).name, 0))}" for p in paths))
+    parts = ["## Summary", *lines, "",
              "## Terms (mean contribution to S_pred/S_meas − 1)",
              to_markdown(term_table(table).map(pct).reset_index()), "",
              "## Signed τ error by prompt draw (the rows of a workload and temperature share their test "
              "prompts: their errors are not independent)", to_markdown(_draws(table)), "",
              f"## Worst {worst} rows by speedup error", to_markdown(row_table(worst_rows, sort=False)), "",
              "## Rows", to_markdown(row_table(table))]
-    insample = Path(insample) if insample else default_out(Path(path))
+    insample = Path(insample) if insample else default_out(Path(paths[0]))
     if insample.is_dir():
-        parts[len(summary_lines(summary(table))) + 2:0] = [*insample_section(table, insample), ""]
+        parts[len(lines) + 2:0] = [*insample_section(table, insample), ""]
     bad = failures(df)
     if len(bad):
         parts += ["", "## Failed rows", to_markdown(bad)]
@@ -123,9 +146,7 @@ def report(path: str | Path, worst: int = 10, insample: str | Path | None = None
 def layered_errors(paths: list[str | Path]) -> pd.DataFrame:
     """The validation table of several sweeps' rows, a later sweep's row replacing an earlier one's of the
     same ``row_id`` (a power study's rows with some of them run again)."""
-    tables = [errors(load_validation(p)) for p in paths]
-    merged = pd.concat(tables, ignore_index=True)
-    return merged.drop_duplicates("row_id", keep="last").reset_index(drop=True)
+    return errors(load_layered(paths))
 
 
 def compare(before: pd.DataFrame, after: pd.DataFrame) -> str:
@@ -165,5 +186,5 @@ def compare(before: pd.DataFrame, after: pd.DataFrame) -> str:
     return "\n".join([to_markdown(table), "", line])
 
 
-__all__ = ["TERMS", "compare", "failures", "layered_errors", "load_validation", "pct", "report", "row_table",
-           "summary_lines"]
+__all__ = ["TERMS", "compare", "failures", "layered_errors", "load_layered", "load_validation", "pct",
+           "report", "row_table", "summary_lines"]

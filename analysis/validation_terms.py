@@ -188,7 +188,7 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok[_num(ok, "tau").notna()]
     out = pd.DataFrame(index=ok.index)
     for col in ("method", "row_tree", "tree", "workload", "temperature", "tree_size", "profile_stale",
-                "timing_dispersion", "run_t1_dispersion", "row_id", "run_dir"):
+                "timing_dispersion", "run_t1_dispersion", "row_id", "run_dir", "sweep"):
         if col in ok.columns:
             out[col] = ok[col]
     parts = pd.concat([measured_parts(ok), predicted_parts(ok)], axis=1)

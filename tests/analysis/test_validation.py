@@ -514,3 +514,39 @@ def test_compare_sets_each_row_beside_the_same_row_of_the_earlier_sweep():
     assert lines[-1].startswith("2 rows: |τ err| median 2.5% → 1.0%, max 5.0% → 2.0%; within 3%: 1 → 2")
     assert "staged" not in out and "autoregressive" not in out
     assert compare(before, table(_run(row_id="other__natural__code__T0"))).startswith("no row")
+
+
+def test_report_layers_sweeps_a_later_finished_row_replacing_an_earlier_one(tmp_path):
+    """``report DIR DIR``: a power study's finished row replaces the full sweep's (and says which sweep it
+    came from); its failed row replaces nothing and is listed as failed."""
+    import json
+    import shutil
+
+    from analysis import validation
+    from analysis.validation_report import load_layered, load_validation, report
+
+    later = tmp_path / "power"
+    for row in ("vanilla__natural__code__T0", "sequoia__sequoia8__code__T0"):
+        shutil.copytree(MICRO / row, later / row)
+    metrics = later / "vanilla__natural__code__T0" / "metrics.json"
+    m = json.loads(metrics.read_text())
+    m["predicted_tau"] = m["tau"] * 1.25  # the later row's prediction: τ error +25%
+    metrics.write_text(json.dumps(m))
+    (later / "sequoia__sequoia8__code__T0" / "metrics.json").write_text(
+        json.dumps({"status": "failed", "error": "boom"}))
+
+    one = load_validation(MICRO)
+    df = load_layered([MICRO, later])
+    assert len(df) == len(one) and set(df["row_id"]) == set(one["row_id"])
+    by_id = df.set_index("row_id")
+    assert by_id.loc["vanilla__natural__code__T0", "sweep"] == "power"
+    assert by_id.loc["vanilla__natural__code__T0", "predicted_tau"] == pytest.approx(m["predicted_tau"])
+    assert by_id.loc["sequoia__sequoia8__code__T0", "sweep"] == MICRO.name  # the failed one replaced nothing
+    assert (df["status"] == "ok").all()
+
+    text = report([MICRO, later])
+    assert f"- rows by sweep (a later sweep's row replaces an earlier one's): {MICRO.name} 9, power 1" in text
+    vanilla = next(ln for ln in text.splitlines() if ln.startswith("| vanilla | natural | 5 | code | 0 |"))
+    assert "| +25.0% |" in vanilla and vanilla.rstrip(" |").endswith("power")
+    assert "## Failed rows" not in text  # the earlier sweep's row stands
+    assert validation.main(["report", str(MICRO), str(later)]) == 0
