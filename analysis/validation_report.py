@@ -37,7 +37,7 @@ def load_layered(paths: Sequence[str | Path]) -> pd.DataFrame:
     power study's rows over the full sweep's), while a later failed or unfinished row replaces nothing."""
     tables = [load_validation(p).assign(sweep=Path(p).name) for p in paths]
     merged = pd.concat(tables, ignore_index=True)
-    finished = merged["status"] == "ok" if "status" in merged.columns else pd.Series(True, index=merged.index)
+    finished = merged["status"] == "ok"
     done = merged[finished].drop_duplicates("row_id", keep="last")
     pending = merged[~finished & ~merged["row_id"].isin(done["row_id"])]
     pending = pending.drop_duplicates("row_id", keep="last")
@@ -117,7 +117,7 @@ def report(path: str | Path | Sequence[str | Path], worst: int = 10, insample: s
     from analysis.validation_insample import default_out, insample_section
 
     paths = [path] if isinstance(path, (str, Path)) else list(path)
-    df = load_validation(paths[0]) if len(paths) == 1 else load_layered(paths)
+    df = load_layered(paths)
     table = errors(df)
     if table.empty:
         return f"no finished validation rows under {', '.join(map(str, paths))}"

@@ -518,7 +518,7 @@ def test_compare_sets_each_row_beside_the_same_row_of_the_earlier_sweep():
 
 def test_report_layers_sweeps_a_later_finished_row_replacing_an_earlier_one(tmp_path):
     """``report DIR DIR``: a power study's finished row replaces the full sweep's (and says which sweep it
-    came from); its failed row replaces nothing and is listed as failed."""
+    came from); its failed row replaces nothing: the earlier row stands and no row is listed as failed."""
     import json
     import shutil
 
