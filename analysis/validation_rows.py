@@ -230,9 +230,14 @@ def run_row(row: Row, run_dir: Path, python: str = sys.executable) -> Outcome:
 
 
 def _last_error(stderr: str) -> str:
+    """The line that says why a row failed: the last exception or error line of its stderr, passing over
+    run.py's closing "Error: the run failed (X); nothing was written." when the traceback above it names X's
+    message (that line alone would hide it)."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     hits = [ln for ln in lines if ln.startswith(("Error", "ValueError", "RuntimeError", "KeyError", "Assert"))
             or "Error:" in ln]
+    told = [ln for ln in hits if not ln.startswith("Error: the run failed")]
+    hits = told or hits
     return (hits[-1] if hits else (lines[-1] if lines else ""))[:500]
 
 

@@ -145,6 +145,18 @@ def test_driver_skips_done_rows_and_records_failures(tmp_path):
     assert not (tmp_path / bad.row_id / vr.CLAIM).exists()
 
 
+def test_a_failed_rows_error_is_the_exceptions_message_not_run_pys_closing_line():
+    stderr = ("calibrating mtp on zoo/prose\nTraceback (most recent call last):\n"
+              "  File \"run.py\", line 446\n"
+              "ValueError: only 139 usable prompts of this kind in the split (asked for 192)\n"
+              "Error: the run failed (ValueError); nothing was written.\n")
+    assert vr._last_error(stderr).startswith("ValueError: only 139 usable prompts")
+    assert vr._last_error("Error (invalid config): no such tree. Nothing was written.\n").startswith(
+        "Error (invalid config)")
+    assert vr._last_error("Error: the run failed (OSError); nothing was written.\n").startswith(
+        "Error: the run failed")  # nothing better to say
+
+
 def test_claims_are_exclusive_and_dead_ones_taken_over(tmp_path):
     assert vr.claim(tmp_path / "a")
     assert not vr.claim(tmp_path / "a")  # held by this (live) process
