@@ -85,6 +85,10 @@ def test_every_row_decodes_to_the_same_precision_with_the_small_sweep_kept_small
     assert 0 < cfg.workload.tau_se_target <= 0.012 and cfg.workload.num_prompts >= 32
     # the prediction's error: a calibration split at least the test's cap (32 × 48 tokens)
     assert cfg.calibration.prompts * cfg.calibration.new_tokens >= 32 * 48
+    # ... over the generation positions the test decodes (acceptance drifts along a greedy generation)
+    assert cfg.calibration.new_tokens == cfg.workload.max_new_tokens
+    longer = run.compose_run_config("experiment=validation", "workload.max_new_tokens=96")
+    assert longer.calibration.new_tokens == 96
     assert not any(o.startswith("workload.num_prompts=") for r in vr.rows() for o in r.overrides)
     row = vr.rows(["vanilla"], extra=vr.SMALL)[0]
     small = run.compose_run_config("experiment=validation", *row.overrides)
