@@ -92,6 +92,10 @@ def summary_lines(s: dict) -> list[str]:
            f"end's cut (τ_N): median {s['loop_tau_err_median']:.1%}, max {s['loop_tau_err_max']:.1%}; "
            f"within 3%: {s['share_loop_tau_within_3pct']:.0%} of {s['loop_tau_rows']} rows"]
           if "loop_tau_rows" in s else []),
+        *([f"- greedy output (T = 0, {s['greedy_dtypes']}) equal to the same run's autoregressive output on "
+           f"every prompt: {s['greedy_rows_all_equal']} of {s['greedy_rows']} rows; share of prompts equal: "
+           f"mean {s['greedy_equal_mean']:.1%}, lowest {s['greedy_equal_min']:.1%} (float32 is exact; in "
+           "bf16 argmax near-ties flip)"] if "greedy_rows" in s else []),
         f"- rows whose timings held (profile and run timing dispersion <= 25%): {s['rows_timings_held']}; "
         "their "
         f"speedup error: median {s['speedup_err_median_held']:.1%}, max {s['speedup_err_max_held']:.1%}, "

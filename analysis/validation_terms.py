@@ -188,7 +188,8 @@ def errors(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok[_num(ok, "tau").notna()]
     out = pd.DataFrame(index=ok.index)
     for col in ("method", "row_tree", "tree", "workload", "temperature", "tree_size", "profile_stale",
-                "timing_dispersion", "run_t1_dispersion", "row_id", "run_dir", "sweep"):
+                "timing_dispersion", "run_t1_dispersion", "row_id", "run_dir", "sweep", "greedy_equal_rate",
+                "dtype"):
         if col in ok.columns:
             out[col] = ok[col]
     parts = pd.concat([measured_parts(ok), predicted_parts(ok)], axis=1)
@@ -293,7 +294,7 @@ def _fmt_pct(x) -> str:
         return "n/a"
 
 
-def summary(table: pd.DataFrame) -> dict[str, float]:
+def summary(table: pd.DataFrame) -> dict[str, float | int | str]:
     """The issue's summary statistics over the rows of :func:`errors`, and the speedup's over the rows whose
     profile timings held (``held``: the cost side judged on costs that were measured, not on load)."""
     tau, s = table["tau_err"].abs(), table["speedup_err"].abs()
@@ -317,6 +318,7 @@ def summary(table: pd.DataFrame) -> dict[str, float]:
         "tau_se_median": float(table["tau_se_rel"].median()),
         "tau_pred_se_median": float(table["tau_pred_se_rel"].median()),
         **_loop_tau_summary(table),
+        **_greedy_summary(table),
     }
 
 
@@ -327,6 +329,22 @@ def _loop_tau_summary(table: pd.DataFrame) -> dict[str, float]:
         return {}
     return {"loop_tau_rows": int(e.size), "loop_tau_err_median": float(e.median()),
             "loop_tau_err_max": float(e.max()), "share_loop_tau_within_3pct": float((e <= TAU_GOAL).mean())}
+
+
+def _greedy_summary(table: pd.DataFrame) -> dict[str, float | int | str]:
+    """Greedy (T = 0) rows: how often the method's output equalled the same run's autoregressive output, per
+    prompt (``greedy_equal_rate``). Exact in float32; in bf16 a tree forward's logits differ slightly from a
+    one-token forward's and argmax near-ties flip, so the rate is reported, not asserted."""
+    if "greedy_equal_rate" not in table:
+        return {}
+    greedy = table[(table["temperature"] == 0) & (table["method"] != "autoregressive")]
+    rate = _num(greedy, "greedy_equal_rate").dropna()
+    if rate.empty:
+        return {}
+    dtypes = set(greedy.loc[rate.index, "dtype"].dropna().astype(str)) if "dtype" in greedy else set()
+    return {"greedy_rows": int(rate.size), "greedy_rows_all_equal": int((rate >= 1.0).sum()),
+            "greedy_equal_mean": float(rate.mean()), "greedy_equal_min": float(rate.min()),
+            "greedy_dtypes": ", ".join(sorted(dtypes)) or "dtype not recorded"}
 
 
 def draw_table(table: pd.DataFrame) -> pd.DataFrame:

@@ -376,6 +376,23 @@ def test_the_loops_own_tau_is_compared_with_the_prediction_that_includes_the_end
     assert "loop_tau_rows" not in old and not any("loop's own" in x for x in summary_lines(old))
 
 
+def test_the_summary_reports_how_often_greedy_output_equalled_the_baseline():
+    """bf16 flips argmax near-ties between a tree forward and a one-token forward: the report gives the
+    rate over the greedy rows (sampled rows and the baseline's own rows left out), with its dtype."""
+    from analysis.validation_report import summary_lines
+
+    runs = [_run(greedy_equal_rate=1.0, dtype="bfloat16"), _run(greedy_equal_rate=0.75, dtype="bfloat16"),
+            _run(greedy_equal_rate=0.0, dtype="bfloat16", temperature=1.0),
+            _run(greedy_equal_rate=0.5, dtype="bfloat16", method="autoregressive")]
+    s = summary(errors(pd.DataFrame(runs)))
+    assert (s["greedy_rows"], s["greedy_rows_all_equal"]) == (2, 1)
+    assert s["greedy_equal_mean"] == pytest.approx(0.875) and s["greedy_equal_min"] == pytest.approx(0.75)
+    line = next(x for x in summary_lines(s) if x.startswith("- greedy output"))
+    assert "bfloat16" in line and "1 of 2 rows" in line and "87.5%" in line and "75.0%" in line
+    old = summary(errors(pd.DataFrame([_run()])))  # runs that did not record it: no such line
+    assert "greedy_rows" not in old and not any(x.startswith("- greedy") for x in summary_lines(old))
+
+
 def test_failed_and_unmeasured_runs_are_not_rows():
     df = pd.DataFrame([_run(), {"status": "failed", "method": "medusa"}, _run(status="missing")])
     assert len(errors(df)) == 1
