@@ -12,6 +12,7 @@ Outputs (contract in docs/architecture.md): metrics.json (+ samples.jsonl for me
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import shutil
 import sys
@@ -388,6 +389,25 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
           f"{_fmt(p.get('break_even_batch'), '.1f')}"] if p.get("batch_size", 1) > 1 else [])
 
 
+def _tau_spread(m: dict[str, Any]) -> str:
+    """The measured τ's standard error and the prompts behind it: at the default's sizes the prompts' own
+    spread is several percent, the scale on which a prediction can be judged."""
+    se, n = m.get("tau_se_rel"), m.get("num_prompts")
+    if not isinstance(se, (int, float)) or not math.isfinite(se) or se <= 0:
+        return ""
+    return f" ± {se:.1%} (s.e. over {n} prompts)" if n else f" ± {se:.1%} (s.e.)"
+
+
+def _tau_error(m: dict[str, Any]) -> str:
+    """The prediction's signed error against the measured τ, and in the measured s.e. where one is known."""
+    tau, pred, se = m.get("tau"), m.get("predicted_tau"), m.get("tau_se_rel")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (tau, pred)) or tau <= 0:
+        return ""
+    err = pred / tau - 1
+    in_se = f", {err / se:+.1f} s.e." if isinstance(se, (int, float)) and math.isfinite(se) and se > 0 else ""
+    return f" ({err:+.1%}{in_se})"
+
+
 def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     here = m.get("predicted_speedup_this_device", m.get("predicted_speedup"))  # what this run validates
     # the prediction of the decode alone (the run's generation length, no prefill) goes beside decode_speedup
@@ -402,7 +422,8 @@ def _measure_lines(m: dict[str, Any], hardware: str) -> list[str]:
     if not engine and m.get("batch_size", 1) > 1:  # specsim's batched loop
         engine = f" (batch {m['batch_size']}{', continuous' if m.get('continuous') else ''})"
     lines = [
-        f"tau {_fmt(m.get('tau'), '.3f')} (predicted {_fmt(m.get('predicted_tau'), '.3f')})",
+        f"tau {_fmt(m.get('tau'), '.3f')}{_tau_spread(m)}, predicted {_fmt(m.get('predicted_tau'), '.3f')}"
+        f"{_tau_error(m)}",
         f"{_fmt(m.get('tokens_per_s'), '.1f')} tokens/s vs {_fmt(m.get('baseline_tokens_per_s'), '.1f')} "
         f"autoregressive{engine}: speedup {speedup}x{decode} ({predicted} on this device)",
     ]

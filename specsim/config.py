@@ -166,7 +166,7 @@ class WorkloadConfig:
     name: str = "code"
     split: str = "test"  # train | calibration | test
     kind: str = "code"  # code | prose | grounded | mixed | stream (code requests in sequence, none repeated)
-    num_prompts: int = 8  # with tau_se_target > 0: the most prompts decoded
+    num_prompts: int = 8  # with tau_se_target > 0: the most prompts decoded (the presets: 32)
     # task=measure: > 0 decodes prompts (each beside its baseline) until τ's relative standard error is at
     # most this (specsim.tau_error.precise_enough, at least MIN_PROMPTS) or num_prompts are decoded; 0 = all
     tau_se_target: float = 0.0

@@ -157,6 +157,27 @@ def test_the_summary_sets_each_speedup_beside_its_own_prediction(run_module):
     assert "speedup 1.26x (predicted 1.47x on this device)" in run_module._measure_lines(no_decode, "cpu")[1]
 
 
+def test_the_summary_sets_the_measured_tau_s_standard_error_beside_the_prediction(run_module):
+    """The default's measured τ carries its prompts' sampling error (several percent at a few prompts): the
+    summary gives it, the prediction's signed error, and that error in standard errors."""
+    m = {"tau": 2.810, "predicted_tau": 3.083, "tau_se_rel": 0.052, "num_prompts": 8}
+    line = run_module._measure_lines(m, "cpu")[0]
+    assert line == "tau 2.810 ± 5.2% (s.e. over 8 prompts), predicted 3.083 (+9.7%, +1.9 s.e.)"
+    no_se = run_module._measure_lines({**m, "tau_se_rel": None}, "cpu")[0]
+    assert no_se == "tau 2.810, predicted 3.083 (+9.7%)"
+    autoregressive = {"tau": 1.0, "predicted_tau": 1.0, "tau_se_rel": 0.0, "num_prompts": 8}
+    assert run_module._measure_lines(autoregressive, "cpu")[0] == "tau 1.000, predicted 1.000 (+0.0%)"
+
+
+def test_the_default_calibration_reads_as_many_tokens_as_the_workload_generates(run_config):
+    """conf/config.yaml: calibration.new_tokens follows workload.max_new_tokens (the positions the run
+    decodes); an explicit calibration.new_tokens still wins."""
+    assert run_config().calibration.new_tokens == run_config().workload.max_new_tokens == 64
+    assert run_config("workload.max_new_tokens=20").calibration.new_tokens == 20
+    assert run_config("workload.max_new_tokens=20", "calibration.new_tokens=8").calibration.new_tokens == 8
+    assert run_config("experiment=validation").calibration.new_tokens == 48
+
+
 def test_results_never_overwrite_identity(run_module, run_config):
     cfg = run_config("task=simulate", "method=medusa")
     results = {"method": "something else", "predicted_tau": 2.0}

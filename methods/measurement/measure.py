@@ -16,6 +16,7 @@ cost model does not price.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,7 +56,7 @@ from specsim.acceptance import from_config
 from specsim.batch import predict_at_batch
 from specsim.config import RunConfig, TreeKind, Verifier
 from specsim.predict import simulate
-from specsim.tau_error import precise_enough, steady_lengths
+from specsim.tau_error import precise_enough, steady_lengths, tau_relative_standard_error
 from specsim.tree import Tree
 from specsim.trees import recorded_law
 
@@ -149,6 +150,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     warm_ids = torch.tensor(warm.token_ids, dtype=torch.long)
     stats, method_t, base_t = AcceptStats(), _Totals(), _Totals()
     samples = []
+    tree_depth = (getattr(drafter, "tree", None) or tree).depth  # the steps it cuts: τ's steady steps
     if w.batch_size > 1:
         def remake():  # one more instance of the drafter (batched per row)
             return build_drafter(cfg.method, tree if tree.size > 1 else None, models, sampling,
@@ -162,7 +164,6 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             decode(target, drafter, warm_ids, opts, generator)
         _forget_warmup(drafter)
         pairs = []
-        tree_depth = (getattr(drafter, "tree", None) or tree).depth
         for x in tqdm(ids, desc=f"measure {cfg.method.name}", disable=not show_progress):
             ref = decode(target, baseline, x, base_opts, generator)  # interleaved: same machine state
             res = decode(target, drafter, x, opts, generator)
@@ -175,6 +176,7 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
+    metrics["tau_se_rel"] = _finite(tau_relative_standard_error(_steady(pairs, w, tree_depth)))
     if w.batch_size > 1:
         metrics.update(_batch_metrics(cfg, method_t, base_t))
     if hasattr(drafter, "run_stats"):  # a drafter's own figures (Staged SD: draft forwards per step)
@@ -257,11 +259,21 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     return RunResult(metrics, samples)
 
 
+def _steady(pairs: list[tuple[DecodeResult, DecodeResult]], w, depth: int) -> list[list[int]]:
+    """Each decoded prompt's accepted lengths on its steady steps (the generation's cut last steps left out,
+    as the validation report measures τ); prompts without one left out."""
+    lengths = [steady_lengths(res.accepted_lengths, w.max_new_tokens, depth) for res, _ in pairs]
+    return [x for x in lengths if x]
+
+
 def _tau_precise(pairs: list[tuple[DecodeResult, DecodeResult]], w, depth: int) -> bool:
     """The sequential rule (workload.tau_se_target): τ's relative standard error over the prompts decoded so
-    far, on their steady steps (the generation's cut last steps left out, as the report measures τ)."""
-    lengths = [steady_lengths(res.accepted_lengths, w.max_new_tokens, depth) for res, _ in pairs]
-    return precise_enough([x for x in lengths if x], w.tau_se_target)
+    far, on their steady steps."""
+    return precise_enough(_steady(pairs, w, depth), w.tau_se_target)
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
 
 
 def _decode_batches(cfg: RunConfig, backbone, drafters: tuple, ids: list[torch.Tensor], warm: torch.Tensor,

@@ -52,7 +52,33 @@ def test_measure_greedy_contract(run_config, method):
     for s in result.samples:
         assert {"prompt_id", "token_ids", "text", "accepted_lengths"} <= set(s)
         assert len(s["token_ids"]) <= 10 and isinstance(s["text"], str)
-    json.dumps(m)  # metrics.json must be plain JSON
+    _assert_tau_error_of_the_samples(m, result.samples, cfg.workload.max_new_tokens, method)
+    json.dumps(m, allow_nan=False)  # metrics.json must be plain JSON
+
+
+def _assert_tau_error_of_the_samples(m: dict, samples: list[dict], max_new: int, method: str) -> None:
+    """tau_se_rel is τ's relative standard error over the samples' steady steps (each prompt's steps whose
+    draft the generation's end did not cut): recomputed here by hand, the larger of the step-wise and the
+    prompt-wise error."""
+    depth = m["tree_depth"]
+    steady = []
+    for s in samples:
+        kept, done = [], 0
+        for a in s["accepted_lengths"]:
+            if max_new - done >= depth:
+                kept.append(a)
+            done += min(a, max_new - done)
+        steady.append(kept)
+    flat = [a for p in steady for a in p]
+    tau = sum(flat) / len(flat)
+    steps = (sum((a - tau) ** 2 for a in flat) / (len(flat) - 1) / len(flat)) ** 0.5
+    tokens, n_steps = [sum(p) for p in steady], [len(p) for p in steady]
+    prompts = (sum((t - tau * k) ** 2 for t, k in zip(tokens, n_steps)) / (len(steady) * (len(steady) - 1))
+               ) ** 0.5 / (sum(n_steps) / len(steady))
+    expected = max(steps, prompts) / tau
+    assert m["tau_se_rel"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    if method == "autoregressive":  # every step accepts the root alone: no spread at all
+        assert m["tau_se_rel"] == 0.0
 
 
 def test_measure_sampling_run(run_config):
