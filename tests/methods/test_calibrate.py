@@ -73,6 +73,9 @@ SMALL = ("task=calibrate", "model=random_tiny", "workload.prompt_tokens=32", "ca
          "calibration.new_tokens=8", "calibration.depth_prompts=1", "calibration.reps=2",
          "calibration.max_reps=0", "calibration.warmup=1", "calibration.width=8",
          f"tree.budgets=[{','.join(map(str, BUDGETS))}]")
+# the helper profiles record no calibration split: read as the one calibrations took before they recorded it
+# (UNRECORDED_SPLIT, 32 new tokens), which the default's 64 would call too small before the reason under test
+LEGACY_SPLIT = "calibration.new_tokens=32"
 
 
 def _same_draft(models: Models) -> Models:
@@ -378,28 +381,32 @@ def test_the_loops_forward_excess_is_measured_on_a_wide_tree():
 
 
 def test_a_profile_of_a_smaller_calibration_split_is_measured_again(run_config):
-    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.new_tokens=32")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, rank_runs=[[[0, -1]]],
                       loop_verify_wide={"32": 3.0})
-    assert remeasure_reason(prof, cfg) == ""  # no record: the defaults it was taken at (24 x 32, 4)
-    more = run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.prompts=48")
+    assert remeasure_reason(prof, cfg) == ""  # no record: the sizes it was taken at then (24 x 32, 4)
+    more = run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.new_tokens=32",
+                      "calibration.prompts=48")
     assert profile_key(more) == profile_key(cfg)  # the same profile, asked for at more power
     assert "prompts 24 < 48" in remeasure_reason(prof, more)
     prof.extra.update(split_sizes={"prompts": 48, "new_tokens": 32, "depth_prompts": 4})
     assert remeasure_reason(prof, more) == "" and remeasure_reason(prof, cfg) == ""  # a larger one serves
     assert "new_tokens 32 < 48" in remeasure_reason(
         prof, run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.new_tokens=48"))
+    # the default reads the workload's whole generation (64 tokens): a profile of 32 is measured again
+    default = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    assert "new_tokens 32 < 64" in remeasure_reason(prof, default)
 
 
 def test_a_profile_without_the_wide_loop_is_measured_again(run_config):
-    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    cfg = run_config(LEGACY_SPLIT, "method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10}, rank_runs=[[[0, -1]]])
     assert "wide tree" in remeasure_reason(prof, cfg)
     prof.extra.update(loop_verify_wide={"32": 3.0})
     assert remeasure_reason(prof, cfg) == ""
-    chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
+    chain = run_config(LEGACY_SPLIT, "method=vanilla", "workload.temperature=1", "method.verifier=chain",
                        "tree.budgets=[1,2,4,8]")  # a verifier of chains: the wide tree under Sequoia's
     assert times_wide_loop(drafter_class("draft_model"), chain, depth_tree(chain)) is True
     assert "wide tree" in remeasure_reason(dataclasses.replace(prof, extra={
@@ -1046,7 +1053,7 @@ def test_specinfer_verify_is_priced_at_the_merged_trees_size(run_config):
 
 
 def test_specinfer_profile_without_merged_counts_is_measured_again(run_config):
-    cfg = run_config("method=specinfer", "tree.budgets=[1,2,4,8]")
+    cfg = run_config(LEGACY_SPLIT, "method=specinfer", "tree.budgets=[1,2,4,8]")
     prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10},
                       draft_shape_ratios=_shaped_profile(0.4, 0.2, 0.02, 0.06).extra["draft_shape_ratios"])
@@ -1097,8 +1104,8 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     from methods.measurement.calibrate import PROPOSAL_STARS, shape_names
 
     budgets = "tree.budgets=[1,2,4,8]"
-    cfg = run_config("method=specinfer", "workload.temperature=1", "method.verifier=chain", "tree=chain",
-                     budgets)
+    cfg = run_config(LEGACY_SPLIT, "method=specinfer", "workload.temperature=1", "method.verifier=chain",
+                     "tree=chain", budgets)
     prof = dataclasses.replace(_profile(), drafter="specinfer")
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       proposal_stars=PROPOSAL_STARS, multi_draft={"members": 3}, loop_verify_level_sizes=[1],
@@ -1107,11 +1114,12 @@ def test_sampled_proposal_profile_without_the_mark_is_measured_again(run_config)
     assert remeasure_reason(prof, cfg) == ""
     old = dataclasses.replace(prof, extra={k: v for k, v in prof.extra.items() if k != "proposal_stars"})
     assert "sampled proposals" in remeasure_reason(old, cfg)
-    greedy = run_config("method=specinfer", "tree=chain", budgets)
+    greedy = run_config(LEGACY_SPLIT, "method=specinfer", "tree=chain", budgets)
     old.extra["draft_shape_ratios"] = [{"shape": n, "fed": 1} for n in [*shape_names(), WIDE_SHAPE]]
     assert remeasure_reason(old, greedy) == ""  # greedy stars: as before (its draft on the wide tree too)
     # Online SD's acceptance is its loop's (it learns between requests): no star trees to mark
-    online = run_config("method=online", "workload.temperature=1", "method.verifier=chain", budgets)
+    online = run_config(LEGACY_SPLIT, "method=online", "workload.temperature=1", "method.verifier=chain",
+                        budgets)
     assert remeasure_reason(dataclasses.replace(old, drafter="online"), online) == ""
 
 
@@ -1224,7 +1232,8 @@ def test_a_runs_metrics_keep_the_drafts_timings_behind_its_price(run_config):
 def test_a_specinfer_profile_without_the_member_shapes_is_measured_again(run_config):
     from methods.measurement.profiles import profile_config
 
-    cfg = profile_config(run_config("method=specinfer", "tree.budgets=[1,2,4,8]"))  # as measure calibrates
+    # as measure calibrates
+    cfg = profile_config(run_config(LEGACY_SPLIT, "method=specinfer", "tree.budgets=[1,2,4,8]"))
     prof = _merging_profile([1.0, 1.2, 1.5, 1.8, 2.1])
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"7": 10})
     assert "every tree shape" in remeasure_reason(prof, cfg)
@@ -1322,7 +1331,7 @@ def test_the_wide_tree_pins_the_drafts_terms_where_the_small_shapes_extrapolate(
 
 
 def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
-    cfg = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
+    cfg = run_config(LEGACY_SPLIT, "method=vanilla", "tree.budgets=[1,2,4,8]")
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       loop_verify_wide={"32": 3.0}, rank_runs=[[[0, -1]]], star_estimator="exact")
@@ -1338,7 +1347,7 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     no_fan = [s for s in no_fan2 if s["shape"] != "fan4"]  # the sixth session's first
     assert "every tree shape" in remeasure_reason(
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan}), cfg)
-    chain = run_config("method=vanilla", "workload.temperature=1", "method.verifier=chain",
+    chain = run_config(LEGACY_SPLIT, "method=vanilla", "workload.temperature=1", "method.verifier=chain",
                        "tree.budgets=[1,2,4,8]")
     # a chain verifier's request reads the trees too (a Sequoia row shares its key): an older calibration
     # under it, which timed the chains alone, is measured again
@@ -1346,7 +1355,8 @@ def test_a_profile_without_the_drafts_shapes_is_measured_again(run_config):
     assert "every tree shape" in remeasure_reason(
         dataclasses.replace(prof, extra={**prof.extra, "draft_shape_ratios": no_fan[:2]}), chain)
     lookup = dataclasses.replace(old, drafter="prompt_lookup")  # no draft levels of its own: none timed
-    assert remeasure_reason(lookup, run_config("method=prompt_lookup", "tree.budgets=[1,2,4,8]")) == ""
+    lookup_cfg = run_config(LEGACY_SPLIT, "method=prompt_lookup", "tree.budgets=[1,2,4,8]")
+    assert remeasure_reason(lookup, lookup_cfg) == ""
 
 
 def test_a_greedy_profile_records_each_roots_accepted_rank(run_config, tiny_models, cache):
@@ -1417,7 +1427,7 @@ def test_a_greedy_profile_without_the_roots_ranks_is_measured_again(run_config):
     from methods.measurement.calibrate import records_rank_runs
 
     budgets = "tree.budgets=[1,2,4,8]"
-    cfg = run_config("method=vanilla", budgets)
+    cfg = run_config(LEGACY_SPLIT, "method=vanilla", budgets)
     prof = _shaped_profile(0.4, 0.2, 0.02, 0.06)
     prof.extra.update(verify_step_ratios={"0": 0.01}, loop_verify_sizes={"5": 10},
                       loop_verify_wide={"32": 3.0})

@@ -79,7 +79,8 @@ def test_draft_verify_profile_prices_its_adaptive_exit(run_config, tiny_models, 
     deeper = exit_prediction(cfg, prof, Tree.chain(6))  # chains recorded 4 deep: the table prices 6
     conf = ConfidenceTable(tuple(table["edges"]), tuple(table["mass"]), tuple(table["accept"]))
     assert deeper.tau == pytest.approx(threshold_path(conf, rule, 6, (cfg.warmup + w.num_prompts)
-                                                      * w.max_new_tokens, cfg.warmup * w.max_new_tokens).tau)
+                                                      * w.max_new_tokens, cfg.warmup * w.max_new_tokens,
+                                                      generation=w.max_new_tokens).tau)
     here, preset = tree_predictions(cfg, prof, chain)
     assert here["predicted_tau"] == pytest.approx(run.tau) == pytest.approx(preset["predicted_tau"])
     assert 1 <= here["predicted_mean_draft_length"] <= 4
