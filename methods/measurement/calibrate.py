@@ -1563,8 +1563,10 @@ def split_sizes(cfg: RunConfig) -> dict[str, int]:
 
 def smaller_split(profile: Profile, cfg: RunConfig) -> str:
     """The sizes where ``profile`` read less of the calibration split than ``cfg`` asks ("" if none): the
-    split's size is not in the profile key (a larger sample estimates the same acceptance), so a profile of
-    24 x 32 positions would otherwise serve a request for 48 x 32; a larger one serves a smaller request."""
+    number of prompts is not in the profile key (a larger sample estimates the same acceptance), so a profile
+    of 24 x 32 positions would otherwise serve a request for 48 x 32; a larger one serves a smaller request.
+    The generation length is in the key (profiles.key_document): new_tokens differs only in a profile
+    written before it was."""
     had = profile.extra.get("split_sizes") or UNRECORDED_SPLIT
     return ", ".join(f"{k} {had.get(k, 0)} < {v}" for k, v in split_sizes(cfg).items() if had.get(k, 0) < v)
 

@@ -217,7 +217,10 @@ LOOP_ACCEPTANCE = frozenset({"lookahead", "prompt_lookup", "online"})
 
 def key_document(cfg: RunConfig) -> dict[str, Any]:
     """Everything a profile is keyed by: model, drafter and its params with the star-tree rule, workload
-    (the vector depends on the text and on the sampling; t(n) on the context length), device, width."""
+    (the vector depends on the text and on the sampling; t(n) on the context length), the generation length
+    its positions are read over (acceptance rises along a greedy generation: a profile of 64 tokens prices a
+    run of 48 above its own positions), device, width. The number of prompts is not in it: a larger sample
+    estimates the same acceptance (:func:`methods.measurement.calibrate.smaller_split`)."""
 
     w = cfg.workload
     loop = {"acceptance_from": "loop"} if cfg.method.drafter in LOOP_ACCEPTANCE else {}
@@ -236,6 +239,7 @@ def key_document(cfg: RunConfig) -> dict[str, Any]:
         "torch": _torch_version(),  # ... and on its kernels
         "compile": bool(getattr(cfg, "compile", False)),  # the compiled forward's t(n) is not the eager one's
         "width": cfg.calibration.width,
+        "new_tokens": cfg.calibration.new_tokens,
     }
 
 

@@ -220,7 +220,7 @@ def test_profile_key_follows_what_the_profile_depends_on(run_config, cache):
     assert profile_key(base) == profile_key(run_config(*_with("method=vanilla", "method.verifier=chain")))
     changes = [("tree.gamma=3",), ("method=prompt_lookup",), ("workload=prose",), ("model=micro",),
                ("calibration.width=16",), ("workload.temperature=0.7", "method.verifier=chain"),
-               ("workload.prompt_tokens=48",)]
+               ("workload.prompt_tokens=48",), ("calibration.new_tokens=16",)]
     for change in changes:
         assert profile_key(run_config(*_with("method=vanilla", *change))) != profile_key(base), change
     lookup = run_config(*_with("method=prompt_lookup"))
@@ -394,7 +394,8 @@ def test_a_profile_of_a_smaller_calibration_split_is_measured_again(run_config):
     assert remeasure_reason(prof, more) == "" and remeasure_reason(prof, cfg) == ""  # a larger one serves
     assert "new_tokens 32 < 48" in remeasure_reason(
         prof, run_config("method=vanilla", "tree.budgets=[1,2,4,8]", "calibration.new_tokens=48"))
-    # the default reads the workload's whole generation (64 tokens): a profile of 32 is measured again
+    # the default reads the workload's whole generation (64 tokens), under a key of its own (the generation
+    # length is in it); a profile of 32 found there all the same is measured again
     default = run_config("method=vanilla", "tree.budgets=[1,2,4,8]")
     assert "new_tokens 32 < 64" in remeasure_reason(prof, default)
 
