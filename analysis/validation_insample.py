@@ -71,13 +71,17 @@ def acceptance_tokens(row_dir: Path, cache: Path, calibration_tokens: int) -> in
 def insample_overrides(row_dir: Path, cache: Path) -> list[str]:
     """The row's overrides, then the calibration split as the row's profile (in ``cache``) was calibrated on
     it: the calibration's prompts and seed read from the row's own config (.hydra/config.yaml), the new
-    tokens its acceptance was measured on (:func:`acceptance_tokens`)."""
+    tokens its acceptance was measured on (:func:`acceptance_tokens`). The calibration's own length is
+    pinned: it follows the workload's by default and is in the profile key, so a run of another length
+    would look for another profile."""
     row_dir = Path(row_dir)
     cfg = OmegaConf.load(row_dir / ".hydra" / "config.yaml")
-    tokens = acceptance_tokens(row_dir, cache, int(cfg.calibration.new_tokens))
+    calibrated = int(cfg.calibration.new_tokens)
+    tokens = acceptance_tokens(row_dir, cache, calibrated)
     return [*row_overrides(row_dir), "workload.split=calibration",
             f"workload.num_prompts={int(cfg.calibration.prompts)}", f"workload.max_new_tokens={tokens}",
-            "workload.tau_se_target=0", f"seed={int(cfg.seed)}", "calibration.cached_only=true"]
+            "workload.tau_se_target=0", f"seed={int(cfg.seed)}", f"calibration.new_tokens={calibrated}",
+            "calibration.cached_only=true"]
 
 
 def refusals(row_dirs: Sequence[Path], cache: Path) -> dict[Path, str]:

@@ -59,10 +59,12 @@ def test_a_row_is_run_on_the_calibration_split_as_its_profile_was_calibrated(tmp
     assert got[: len(own)] == own  # the row's method, workload, T, verifier, tree and sizes first
     assert got[len(own):] == ["workload.split=calibration", "workload.num_prompts=5",
                               "workload.max_new_tokens=7", "workload.tau_se_target=0", "seed=3",
-                              "calibration.cached_only=true"]
-    # a loop drafter's acceptance was measured on every calibration prompt as long as the test generations
+                              "calibration.new_tokens=7", "calibration.cached_only=true"]
+    # a loop drafter's acceptance was measured on every calibration prompt as long as the test generations;
+    # the calibration's length stays the row's (it is in the profile key)
     cache = _cache(tmp_path, row, t_ar_s=1.0, extra={"loop_new_tokens": 9})
-    assert "workload.max_new_tokens=9" in vi.insample_overrides(row, cache)
+    loop = vi.insample_overrides(row, cache)
+    assert "workload.max_new_tokens=9" in loop and "calibration.new_tokens=7" in loop
     (cache / "profiles" / "shapes.json").write_text(json.dumps({"new_tokens": 11}))
     _edit_metrics(row, dynamic_shapes_path="/elsewhere/profiles/shapes.json")  # a dynamic tree: its record's
     assert "workload.max_new_tokens=11" in vi.insample_overrides(row, cache)
