@@ -389,22 +389,32 @@ def _prediction_lines(p: dict[str, Any]) -> list[str]:
           f"{_fmt(p.get('break_even_batch'), '.1f')}"] if p.get("batch_size", 1) > 1 else [])
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _tau_se(m: dict[str, Any]) -> float | None:
+    """The measured τ's relative standard error where there is one (none, or 0 without any spread: None)."""
+    se = m.get("tau_se_rel")
+    return se if _number(se) and se > 0 else None
+
+
 def _tau_spread(m: dict[str, Any]) -> str:
     """The measured τ's standard error and the prompts behind it: at the default's sizes the prompts' own
     spread is several percent, the scale on which a prediction can be judged."""
-    se, n = m.get("tau_se_rel"), m.get("num_prompts")
-    if not isinstance(se, (int, float)) or not math.isfinite(se) or se <= 0:
+    se, n = _tau_se(m), m.get("num_prompts")
+    if se is None:
         return ""
     return f" ± {se:.1%} (s.e. over {n} prompts)" if n else f" ± {se:.1%} (s.e.)"
 
 
 def _tau_error(m: dict[str, Any]) -> str:
     """The prediction's signed error against the measured τ, and in the measured s.e. where one is known."""
-    tau, pred, se = m.get("tau"), m.get("predicted_tau"), m.get("tau_se_rel")
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (tau, pred)) or tau <= 0:
+    tau, pred, se = m.get("tau"), m.get("predicted_tau"), _tau_se(m)
+    if not (_number(tau) and _number(pred)) or tau <= 0:
         return ""
     err = pred / tau - 1
-    in_se = f", {err / se:+.1f} s.e." if isinstance(se, (int, float)) and math.isfinite(se) and se > 0 else ""
+    in_se = f", {err / se:+.1f} s.e." if se is not None else ""
     return f" ({err:+.1%}{in_se})"
 
 
