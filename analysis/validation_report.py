@@ -103,6 +103,21 @@ def summary_lines(s: dict) -> list[str]:
     ]
 
 
+def mixed_dtypes(table: pd.DataFrame) -> list[str]:
+    """A warning line when the rows decoded in more than one dtype (``model.dtype=auto`` resolves per run:
+    a bf16 sweep's row once ran in float32, methods.core.bf16), naming the rows outside the commonest."""
+    if "dtype" not in table.columns:
+        return []
+    dtypes = table["dtype"].fillna("not recorded").astype(str)
+    counts = dtypes.value_counts()
+    if len(counts) < 2:
+        return []
+    main = counts.index[0]
+    odd = ", ".join(f"{r} ({d})" for r, d in zip(table.loc[dtypes != main, "row_id"], dtypes[dtypes != main]))
+    return [f"- **rows in another dtype than the other {counts[main]} rows' {main}**: {odd}; their errors "
+            f"belong to another engine's numbers (run them again with model.dtype={main})"]
+
+
 def _draws(table: pd.DataFrame) -> pd.DataFrame:
     d = draw_table(table).reset_index()
     shown = d.assign(temperature=d["temperature"].map(lambda x: f"{x:g}"),
@@ -126,7 +141,7 @@ def report(path: str | Path | Sequence[str | Path], worst: int = 10, insample: s
     if table.empty:
         return f"no finished validation rows under {', '.join(map(str, paths))}"
     worst_rows = table.reindex(table["speedup_err"].abs().sort_values(ascending=False).index[:worst])
-    lines = summary_lines(summary(table))
+    lines = summary_lines(summary(table)) + mixed_dtypes(table)
     if len(paths) > 1:
         counts = table["sweep"].value_counts()
         lines.append("- rows by sweep (a later sweep's row replaces an earlier one's): " + ", ".join(

@@ -393,6 +393,18 @@ def test_the_summary_reports_how_often_greedy_output_equalled_the_baseline():
     assert "greedy_rows" not in old and not any(x.startswith("- greedy") for x in summary_lines(old))
 
 
+def test_the_report_names_rows_that_decoded_in_another_dtype():
+    """model.dtype=auto resolves per run; a bf16 sweep's row once ran in float32 (methods.core.bf16)."""
+    from analysis.validation_report import mixed_dtypes
+
+    runs = [_run(dtype="bfloat16", row_id="a"), _run(dtype="bfloat16", row_id="b"),
+            _run(dtype="float32", row_id="c")]
+    line, = mixed_dtypes(errors(pd.DataFrame(runs)))
+    assert "other 2 rows' bfloat16" in line and "c (float32)" in line and "a (" not in line
+    assert mixed_dtypes(errors(pd.DataFrame(runs[:2]))) == []
+    assert mixed_dtypes(errors(pd.DataFrame([_run()]))) == []  # runs that did not record it
+
+
 def test_failed_and_unmeasured_runs_are_not_rows():
     df = pd.DataFrame([_run(), {"status": "failed", "method": "medusa"}, _run(status="missing")])
     assert len(errors(df)) == 1

@@ -29,8 +29,41 @@ def test_the_probe_measures_a_finite_positive_ratio():
     assert math.isfinite(r) and r > 0
 
 
-def test_the_choice_follows_the_probe(monkeypatch):
+def test_the_timing_restores_torchs_thread_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bf16.measured_slowdown.__wrapped__("cpu", rounds=2)  # uncached: times on one thread
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_x86_cpu_is_decided_by_torchs_probe_not_by_timing(monkeypatch):
+    """A timing can be upset by load (it was: one row of a bf16 sweep decoded in float32); the CPU's flags
+    cannot."""
     monkeypatch.delenv(bf16.ENV, raising=False)
+
+    def timed(device="cpu"):
+        raise AssertionError("an x86 CPU whose probe answers must not be timed")
+
+    monkeypatch.setattr(bf16, "measured_slowdown", timed)
+    monkeypatch.setattr(bf16.platform, "machine", lambda: "x86_64")
+    for avx512_bf16, amx, fast in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert bf16.cpu_bf16_support() is fast
+        assert bf16.bf16_is_fast() is fast
+        assert resolve_dtype("auto") == (torch.bfloat16 if fast else torch.float32)
+    monkeypatch.setattr(bf16.platform, "machine", lambda: "aarch64")  # no probe there: timed
+    assert bf16.cpu_bf16_support() is None
+    with pytest.raises(AssertionError, match="must not be timed"):
+        bf16.bf16_is_fast()
+
+
+def test_the_choice_follows_the_timing_where_the_probe_cannot_tell(monkeypatch):
+    monkeypatch.delenv(bf16.ENV, raising=False)
+    monkeypatch.setattr(bf16, "cpu_bf16_support", lambda: None)
     monkeypatch.setattr(bf16, "measured_slowdown", lambda device="cpu": 40.0)  # an AVX2-only CPU's figure
     assert not bf16.bf16_is_fast() and bf16.speed_dtype("bfloat16") == "float32"
     monkeypatch.setattr(bf16, "measured_slowdown", lambda device="cpu": 0.45)  # AVX512-BF16: faster
