@@ -23,12 +23,22 @@ def load_validation(path: str | Path) -> pd.DataFrame:
     if "accepted_lengths" in samples.columns:
         per_run = samples.groupby("run_dir")["accepted_lengths"].apply(list)
         df["prompt_accepted_lengths"] = df["run_dir"].astype(str).map(per_run)
+    if "prompt_id" in samples.columns:  # "<kind>/<module>/<where>": τ's error clusters by module
+        modules = samples["prompt_id"].astype(str).map(prompt_module)
+        df["prompt_modules"] = df["run_dir"].astype(str).map(modules.groupby(samples["run_dir"]).apply(list))
     rows = [read_row(Path(d)) or {} for d in df["run_dir"]]
     df["row_id"] = [r.get("row_id", Path(d).name) for r, d in zip(rows, df["run_dir"])]
     df["row_tree"] = [r.get("tree", t) for r, t in zip(rows, df.get("tree", [None] * len(df)))]
     temps = pd.to_numeric(df.get("workload.temperature", pd.Series(np.nan, index=df.index)), errors="coerce")
     df["temperature"] = [r.get("temperature", t) for r, t in zip(rows, temps)]
     return df
+
+
+def prompt_module(prompt_id: str) -> str:
+    """The source module of a prompt id ``<kind>/<module>/<where>`` (methods.data.workloads.Prompt); the id
+    itself when it has no module part."""
+    parts = prompt_id.split("/")
+    return parts[1] if len(parts) >= 3 else prompt_id
 
 
 def load_layered(paths: Sequence[str | Path]) -> pd.DataFrame:

@@ -41,6 +41,7 @@ import numpy as np
 import pandas as pd
 
 from specsim.tau_error import (
+    by_cluster,
     lengths_standard_error,
     steady_lengths,
     tau_prompt_standard_error,
@@ -93,7 +94,20 @@ def measured_parts(df: pd.DataFrame) -> pd.DataFrame:
     prompts = steady.map(tau_prompt_standard_error)
     # the larger of the two: steps of one prompt are not independent where τ is a property of the prompt
     out["tau_se"] = np.fmax(steps, pd.Series(prompts, index=df.index, dtype=float))
+    # ... and of the module-wise one, where the prompts' modules are known: prompts of one module are alike
+    modules = df["prompt_modules"] if "prompt_modules" in df else pd.Series(np.nan, index=df.index)
+    clustered = [_module_standard_error(x, m) for x, m in zip(steady, modules)]
+    out["tau_se"] = np.fmax(out["tau_se"], pd.Series(clustered, index=df.index, dtype=float))
     return out
+
+
+def _module_standard_error(lengths, modules) -> float:
+    """τ's standard error with the prompts' modules as the sampled units (prompts without a steady step
+    left out); NaN without one module per prompt."""
+    if not (isinstance(lengths, list) and isinstance(modules, list) and len(lengths) == len(modules)):
+        return float("nan")
+    kept = [(x, m) for x, m in zip(lengths, modules) if x]
+    return tau_prompt_standard_error(by_cluster([x for x, _ in kept], [m for _, m in kept]))
 
 
 def steady_prompt_lengths(df: pd.DataFrame) -> pd.Series:

@@ -170,13 +170,13 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
             base_t.add(ref)
             method_t.add(res)
             pairs.append((res, ref))
-            if w.tau_se_target > 0 and _tau_precise(pairs, w, tree_depth):  # the sequential rule
+            if w.tau_se_target > 0 and _tau_precise(pairs, prompts, w, tree_depth):  # the sequential rule
                 break
     for prompt, (res, ref) in zip(prompts, pairs):
         stats.merge(res.stats)
         samples.append(_sample(prompt.prompt_id, res, ref, models.tokenizer))
     metrics = _metrics(stats, method_t, base_t, samples)
-    metrics["tau_se_rel"] = _finite(tau_relative_standard_error(_steady(pairs, w, tree_depth)))
+    metrics["tau_se_rel"] = _finite(tau_relative_standard_error(*_steady(pairs, prompts, w, tree_depth)))
     if w.batch_size > 1:
         metrics.update(_batch_metrics(cfg, method_t, base_t))
     if hasattr(drafter, "run_stats"):  # a drafter's own figures (Staged SD: draft forwards per step)
@@ -259,17 +259,22 @@ def measure(cfg: RunConfig, show_progress: bool = True) -> RunResult:
     return RunResult(metrics, samples)
 
 
-def _steady(pairs: list[tuple[DecodeResult, DecodeResult]], w, depth: int) -> list[list[int]]:
+def _steady(pairs: list[tuple[DecodeResult, DecodeResult]], prompts, w, depth: int
+            ) -> tuple[list[list[int]], list[str]]:
     """Each decoded prompt's accepted lengths on its steady steps (the generation's cut last steps left out,
-    as the validation report measures τ); prompts without one left out."""
-    lengths = [steady_lengths(res.accepted_lengths, w.max_new_tokens, depth) for res, _ in pairs]
-    return [x for x in lengths if x]
+    as the validation report measures τ), and its source module (τ's error clusters by module:
+    specsim.tau_error.by_cluster); prompts without a steady step left out."""
+    kept = [(steady_lengths(res.accepted_lengths, w.max_new_tokens, depth), prompt.module or prompt.prompt_id)
+            for prompt, (res, _) in zip(prompts, pairs)]
+    kept = [(lengths, module) for lengths, module in kept if lengths]
+    return [lengths for lengths, _ in kept], [module for _, module in kept]
 
 
-def _tau_precise(pairs: list[tuple[DecodeResult, DecodeResult]], w, depth: int) -> bool:
+def _tau_precise(pairs: list[tuple[DecodeResult, DecodeResult]], prompts, w, depth: int) -> bool:
     """The sequential rule (workload.tau_se_target): τ's relative standard error over the prompts decoded so
-    far, on their steady steps."""
-    return precise_enough(_steady(pairs, w, depth), w.tau_se_target)
+    far, on their steady steps, with their modules as clusters."""
+    lengths, modules = _steady(pairs, prompts, w, depth)
+    return precise_enough(lengths, w.tau_se_target, clusters=modules)
 
 
 def _finite(x: float) -> float | None:

@@ -331,6 +331,24 @@ def test_tau_standard_error_across_prompts():
     assert "acceptance model" in pooled["diagnosis"] and "sampling noise" in by_prompt["diagnosis"]
 
 
+def test_tau_standard_error_across_modules():
+    """Prompts of one source module are alike: four prompts from two modules measure τ as two draws would
+    (the report takes the module-wise error where samples.jsonl's prompt ids name the modules)."""
+    from analysis.validation_report import prompt_module
+
+    per_prompt = [[1] * 5, [1] * 5, [3] * 5, [3] * 5]
+    run = _run(tau=2.0, accept_hist=[0, 10, 0, 10], predicted_tau=2.0, prompt_accepted_lengths=per_prompt)
+    by_prompt = errors(pd.DataFrame([run])).loc[0, "tau_se_rel"]
+    modules = [prompt_module(p) for p in ("code/a/f@L1", "code/a/g@L9", "code/b/f@L1", "code/b/h@L5")]
+    assert modules == ["a", "a", "b", "b"] and prompt_module("no-module") == "no-module"
+    by_module = errors(pd.DataFrame([{**run, "prompt_modules": modules}])).loc[0, "tau_se_rel"]
+    assert by_prompt == pytest.approx(tau_prompt_standard_error(per_prompt) / 2)
+    assert by_module == pytest.approx(tau_prompt_standard_error([[1] * 10, [3] * 10]) / 2)
+    assert by_module > by_prompt
+    misaligned = errors(pd.DataFrame([{**run, "prompt_modules": modules[:3]}])).loc[0, "tau_se_rel"]
+    assert misaligned == pytest.approx(by_prompt)  # modules that do not match the prompts are not used
+
+
 def test_a_tau_miss_within_sampling_error_is_called_noise():
     noisy = errors(pd.DataFrame([_run(predicted_tau=3.2)])).loc[0]  # s.e. of τ: 0.21/3 = 7%
     assert not noisy["tau_ok"] and "sampling noise" in noisy["diagnosis"]

@@ -294,7 +294,17 @@ def test_the_sequential_rule_decodes_to_the_cap_when_tau_stays_noisy(run_config,
     import methods.measurement.measure as m
 
     asked = []
-    monkeypatch.setattr(m, "precise_enough", lambda lengths, target: asked.append(len(lengths)) or False)
+    def rule(lengths, target, clusters=None):
+        asked.append((len(lengths), list(clusters)))
+        return False
+
+    monkeypatch.setattr(m, "precise_enough", rule)
     cfg = run_config(*SMALL, "method=vanilla", "workload.num_prompts=3", "workload.tau_se_target=0.012")
     result = measure(cfg, show_progress=False)
-    assert len(result.samples) == 3 and len(asked) == 3 and asked == sorted(asked) and asked[-1] <= 3
+    sizes = [n for n, _ in asked]
+    assert len(result.samples) == 3 and len(asked) == 3 and sizes == sorted(sizes) and sizes[-1] <= 3
+    # each prompt's source module goes with its lengths (τ's error clusters by module)
+    from analysis.validation_report import prompt_module
+
+    modules = [prompt_module(s["prompt_id"]) for s in result.samples]
+    assert all(len(c) == n for n, c in asked) and set(asked[-1][1]) <= set(modules)

@@ -9,6 +9,7 @@ import pytest
 
 from specsim.tau_error import (
     MIN_PROMPTS,
+    by_cluster,
     precise_enough,
     tau_prompt_standard_error,
     tau_relative_standard_error,
@@ -24,6 +25,26 @@ def test_relative_error_is_the_larger_of_the_step_and_prompt_errors():
     steps = np.array([1, 3] * 10, dtype=float)
     assert tau_relative_standard_error(mixed) == pytest.approx(steps.std(ddof=1) / math.sqrt(20) / 2)
     assert math.isnan(tau_relative_standard_error([[2, 2, 2]]))  # one prompt: no prompt-wise error
+
+
+def test_prompts_of_one_module_are_one_sampled_unit():
+    """Two modules, each prompt of a module alike (τ 1 and 3): eight prompts read a prompt-wise error as if
+    eight draws, the module-wise one is that of two draws, and it is the one taken."""
+    per_prompt = [[1] * 5] * 4 + [[3] * 5] * 4
+    modules = ["a"] * 4 + ["b"] * 4
+    assert by_cluster(per_prompt, modules) == [[1] * 20, [3] * 20]
+    prompt_wise = tau_relative_standard_error(per_prompt)
+    clustered = tau_relative_standard_error(per_prompt, modules)
+    assert clustered == pytest.approx(tau_prompt_standard_error([[1] * 20, [3] * 20]) / 2)
+    assert clustered > 2 * prompt_wise
+    # one prompt per module: the module-wise error is the prompt-wise one
+    assert tau_relative_standard_error(per_prompt, list("abcdefgh")) == pytest.approx(prompt_wise)
+    # one module: no module-wise error (NaN), the others stand
+    assert tau_relative_standard_error(per_prompt, ["a"] * 8) == pytest.approx(prompt_wise)
+    assert not precise_enough(per_prompt * 2, prompt_wise, clusters=modules * 2, min_prompts=2)
+    assert precise_enough(per_prompt * 2, prompt_wise, min_prompts=2)
+    with pytest.raises(ValueError):
+        by_cluster(per_prompt, modules[:-1])
 
 
 def test_the_rule_waits_for_min_prompts_then_stops_at_the_target():
