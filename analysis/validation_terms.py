@@ -41,9 +41,9 @@ import numpy as np
 import pandas as pd
 
 from specsim.tau_error import (
-    by_cluster,
     lengths_standard_error,
     steady_lengths,
+    tau_cluster_standard_error,
     tau_prompt_standard_error,
 )
 
@@ -106,8 +106,7 @@ def _module_standard_error(lengths, modules) -> float:
     left out); NaN without one module per prompt."""
     if not (isinstance(lengths, list) and isinstance(modules, list) and len(lengths) == len(modules)):
         return float("nan")
-    kept = [(x, m) for x, m in zip(lengths, modules) if x]
-    return tau_prompt_standard_error(by_cluster([x for x, _ in kept], [m for _, m in kept]))
+    return tau_cluster_standard_error(lengths, modules)
 
 
 def steady_prompt_lengths(df: pd.DataFrame) -> pd.Series:

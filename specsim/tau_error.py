@@ -65,12 +65,19 @@ def by_cluster(per_prompt: Sequence[Sequence[int]], clusters: Sequence[str]) -> 
     return list(merged.values())
 
 
+def tau_cluster_standard_error(per_prompt: Sequence[Sequence[int]], clusters: Sequence[str]) -> float:
+    """τ's standard error with the clusters as the sampled units (:func:`tau_prompt_standard_error` of
+    :func:`by_cluster`; prompts without a step left out); NaN below two clusters."""
+    kept = [(lengths, c) for lengths, c in zip(per_prompt, clusters, strict=True) if len(lengths)]
+    return tau_prompt_standard_error(by_cluster([lengths for lengths, _ in kept], [c for _, c in kept]))
+
+
 def tau_relative_standard_error(per_prompt: Sequence[Sequence[int]],
                                 clusters: Sequence[str] | None = None) -> float:
     """τ's standard error over τ: the largest of the step-wise, the prompt-wise (steps of one prompt are not
     independent where τ is a property of the prompt) and, given each prompt's ``clusters`` label, the
-    cluster-wise error (:func:`by_cluster`; NaN, so left out, below two clusters); NaN below two prompts or
-    two steps."""
+    cluster-wise error (:func:`tau_cluster_standard_error`; NaN, so left out, below two clusters); NaN below
+    two prompts or two steps."""
     per_prompt = [list(p) for p in per_prompt]
     flat = np.concatenate([np.asarray(p, dtype=float) for p in per_prompt]) if per_prompt else np.zeros(0)
     if len(per_prompt) < 2 or flat.size < 2:
@@ -78,7 +85,7 @@ def tau_relative_standard_error(per_prompt: Sequence[Sequence[int]],
     tau = float(flat.mean())
     se = np.fmax(lengths_standard_error(flat), tau_prompt_standard_error(per_prompt))
     if clusters is not None:
-        se = np.fmax(se, tau_prompt_standard_error(by_cluster(per_prompt, clusters)))
+        se = np.fmax(se, tau_cluster_standard_error(per_prompt, clusters))
     return float(se / tau) if tau > 0 else float("nan")
 
 
